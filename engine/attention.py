@@ -1,0 +1,133 @@
+"""Paged attention on the torch path: K/V live in fixed-size blocks; a step attends over a flattened batch.
+
+Every sequence in a step contributes `num_query_tokens` rows (a prefill chunk, one decode token, or 1 + k
+verification rows) that attend causally to all of its cached context. The metadata below is built once per
+step and shared by every layer, so a layer costs the same few torch calls whatever the batch holds.
+
+KV cache layout, one tensor per layer:
+
+    kv_cache[0] = keys   [num_slots, num_kv_heads, head_dim]     slot = block_id * block_size + offset
+    kv_cache[1] = values [num_slots, num_kv_heads, head_dim]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    num_seqs: int
+    # the longest number of query rows of any sequence in the step
+    max_query_len: int
+    # the longest context (cached prefix + this step's rows) of any sequence
+    max_seq_len: int
+    # [num_tokens] int64: where each new token's K/V is written in the flat slot space
+    slot_mapping: torch.Tensor
+    # [num_seqs, max_seq_len] int64: the slots of each sequence's context in order, padded with slot 0
+    kv_gather_index: torch.Tensor
+    # [num_tokens] int64: row of each flattened query in the padded [num_seqs * max_query_len] layout;
+    # None when the flattened batch is already that layout (all sequences have max_query_len rows)
+    query_pad_index: torch.Tensor | None
+    # [num_seqs, 1, max_query_len, max_seq_len] bool, True = may attend; None = attend to everything
+    attn_mask: torch.Tensor | None
+
+
+def build_attention_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Lay out one step's sequences for `paged_attention`.
+
+    Sequence i has `seq_lens[i]` tokens of context after this step, the last `query_lens[i]` of which are
+    this step's query rows, at positions seq_lens[i] - query_lens[i] ... seq_lens[i] - 1.
+    """
+    num_seqs = len(query_lens)
+    max_query_len = max(query_lens)
+    max_seq_len = max(seq_lens)
+    # ---- slot of every context token, padded per sequence ----
+    gather = torch.zeros(num_seqs, max_seq_len, dtype=torch.int64)
+    slot_chunks = []
+    for i, (seq_len, query_len, table) in enumerate(zip(seq_lens, query_lens, block_tables)):
+        positions = torch.arange(seq_len, dtype=torch.int64)
+        blocks = torch.tensor(table, dtype=torch.int64)[positions // block_size]
+        slots = blocks * block_size + positions % block_size  # [seq_len]
+        gather[i, :seq_len] = slots
+        slot_chunks.append(slots[seq_len - query_len:])
+    slot_mapping = torch.cat(slot_chunks)
+    # ---- where the flattened query rows sit in the padded layout ----
+    query_pad_index = None
+    if any(q != max_query_len for q in query_lens):
+        query_pad_index = torch.cat([
+            torch.arange(q, dtype=torch.int64) + i * max_query_len for i, q in enumerate(query_lens)
+        ])
+    # ---- causal mask over each sequence's context ----
+    attn_mask = None
+    needs_mask = max_query_len > 1 or any(s != max_seq_len for s in seq_lens)
+    if needs_mask or sliding_window is not None:
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)[:, None, None]  # [B, 1, 1]
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)[:, None, None]
+        row = torch.arange(max_query_len, dtype=torch.int64)[None, :, None]  # [1, Q, 1]
+        key_pos = torch.arange(max_seq_len, dtype=torch.int64)[None, None, :]  # [1, 1, L]
+        query_pos = seq_lens_t - query_lens_t + row  # [B, Q, 1]
+        attn_mask = key_pos <= query_pos
+        if sliding_window is not None:
+            attn_mask &= key_pos > query_pos - sliding_window
+        # NOTE: padded query rows (row >= query_len) attend to key 0 only, so softmax never sees an empty
+        # row (NaN); their outputs are dropped by the un-padding.
+        attn_mask |= (row >= query_lens_t) & (key_pos == 0)
+        attn_mask = attn_mask[:, None]  # [B, 1, Q, L]
+    return AttentionMetadata(
+        num_seqs=num_seqs,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        slot_mapping=slot_mapping.to(device),
+        kv_gather_index=gather.to(device),
+        query_pad_index=None if query_pad_index is None else query_pad_index.to(device),
+        attn_mask=None if attn_mask is None else attn_mask.to(device),
+    )
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """Store this step's keys and values; rejected draft slots are simply overwritten by a later step."""
+    kv_cache[0].index_copy_(0, meta.slot_mapping, key)  # key: [num_tokens, num_kv_heads, head_dim]
+    kv_cache[1].index_copy_(0, meta.slot_mapping, value)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """Attention of each query row over its sequence's cached context.
+
+    query: [num_tokens, num_heads, head_dim]; kv_cache: [2, num_slots, num_kv_heads, head_dim]
+    returns [num_tokens, num_heads * head_dim]
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    batch, max_q = meta.num_seqs, meta.max_query_len
+    keys = kv_cache[0][meta.kv_gather_index]  # [B, L, kvH, D]
+    values = kv_cache[1][meta.kv_gather_index]  # [B, L, kvH, D]
+    if meta.query_pad_index is None:
+        padded = query.view(batch, max_q, num_heads, head_dim)
+    else:
+        padded = query.new_zeros(batch * max_q, num_heads, head_dim)
+        padded.index_copy_(0, meta.query_pad_index, query)
+        padded = padded.view(batch, max_q, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        padded.transpose(1, 2),  # [B, H, Q, D]
+        keys.transpose(1, 2),  # [B, kvH, L, D]
+        values.transpose(1, 2),
+        attn_mask=meta.attn_mask,
+        scale=scale,
+        enable_gqa=True,
+    )  # [B, H, Q, D]
+    out = out.transpose(1, 2).reshape(batch * max_q, num_heads * head_dim)
+    if meta.query_pad_index is not None:
+        out = out.index_select(0, meta.query_pad_index)
+    return out  # [num_tokens, H * D]

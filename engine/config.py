@@ -1,0 +1,112 @@
+"""Engine configuration: one frozen dataclass per concern, each validated where it is built.
+
+Values only known after loading (the resolved context length, the number of KV blocks) are not written back
+here: they come back as `KVCacheSpec`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    # float64 exists for tests: greedy ties can never flip on rounding there
+    "float64": torch.float64,
+}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
+                 "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # local Hugging Face folder, a .gguf file, or None for the embedded SmolLM2-135M-Instruct
+    model: str | None = None
+    # "auto" = float32 on the CPU (bf16 matmuls are slow without bf16 units), bfloat16 on CUDA
+    dtype: str = "auto"
+    # "auto" = cuda when available, else cpu
+    device: str = "auto"
+    # longest prompt + output in tokens; None = the model's max_position_embeddings
+    max_model_len: int | None = None
+    # torch intra-op threads on the CPU; None = leave torch's default
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA device")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return DTYPES[DTYPE_ALIASES.get(self.dtype, self.dtype)]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # tokens per KV block
+    block_size: int = 16
+    # memory for the KV cache; ignored when num_blocks is given
+    kv_cache_memory_gib: float = 1.0
+    # exact number of KV blocks (tests use a few to force preemption)
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # requests decoding at once (continuous batching width)
+    max_num_seqs: int = 64
+    # tokens in one forward pass: prefill chunks + decode tokens (+ draft tokens when speculating)
+    max_num_batched_tokens: int = 2048
+    # requests allowed to wait before new ones are refused (the server answers 429)
+    max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}")
+        if self.max_waiting_requests < 1:
+            raise ValueError(
+                f"max_waiting_requests must be at least 1, got {self.max_waiting_requests}")
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What loading and sizing decided: measured at start-up, never written into the configs above."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    # bytes of K and V for one token across all layers
+    bytes_per_token: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size

@@ -1,0 +1,166 @@
+"""A pure-torch Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) over a flattened batch and a paged cache.
+
+The forward takes explicit token ids, positions and attention metadata, so the target and a draft model in
+the same process never share hidden state. q/k/v and gate/up are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.models.arch import LlamaArch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalise in float32 and cast back before the weight, exactly as the Hugging Face reference
+        # does (float64 test models included), so greedy tokens match it.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables indexed by absolute position; computed in float32 like the reference."""
+
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        inv_freq = torch.tensor(arch.rope_inv_freq, dtype=torch.float32)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.scaling = arch.rope_attention_scaling
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, D/2]
+        cos = (freqs.cos() * self.scaling).to(dtype)
+        sin = (freqs.sin() * self.scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]  # [T, 1, D/2] each, broadcast over heads
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x [T, heads, D] with the first and second halves as the two components."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, kvH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv(kv_cache, k, v, meta)
+        return self.o_proj(paged_attention(q, kv_cache, meta, self.scale))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, arch: LlamaArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.rotary = RotaryEmbedding(arch)
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]; returns final-norm hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [num_rows, hidden] (only the rows that sample) -> logits [num_rows, vocab]."""
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; a missing tensor is an error."""
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights.items():
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            parts = name.split(".")
+            shard = None
+            if len(parts) >= 2 and parts[-2] in fused:
+                fused_name, shard = fused[parts[-2]]
+                name = ".".join(parts[:-2] + [fused_name, parts[-1]])
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}")
+            param = params[name]
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor)
+                else:
+                    sizes = self._shard_sizes(name)
+                    param.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
+            loaded.add(f"{name}#{shard}")
+        self._check_complete(loaded, params)
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        if "qkv_proj" in name:
+            return [self.arch.q_size, self.arch.kv_size, self.arch.kv_size]
+        return [self.arch.intermediate_size, self.arch.intermediate_size]
+
+    def _check_complete(self, loaded: set[str], params: dict[str, nn.Parameter]) -> None:
+        missing = []
+        for name in params:
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            shards = range(3 if "qkv_proj" in name else 2) if "_proj." in name and (
+                "qkv_proj" in name or "gate_up_proj" in name) else [None]
+            missing += [name for s in shards if f"{name}#{s}" not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {sorted(set(missing))[:8]}")

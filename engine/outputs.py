@@ -1,0 +1,35 @@
+"""What the offline API returns: vLLM's RequestOutput / CompletionOutput shapes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    # which of the request's n completions this is
+    index: int
+    text: str
+    token_ids: list[int]
+    # "stop", "length" or "abort"; None while running
+    finish_reason: str | None = None
+    # the stop token id or stop string that ended it, if one did
+    stop_reason: int | str | None = None
+    # per generated token when SamplingParams.logprobs is set
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else sum(lp.logprob for lp in self.logprobs)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_preemptions: int = 0

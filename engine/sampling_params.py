@@ -1,0 +1,71 @@
+"""How one request wants its tokens chosen and when it stops; validated once, up front, with clear errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# top-N logprobs returned per token at most (OpenAI's own cap is 20)
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    # 0 = greedy (argmax); otherwise logits are divided by it before softmax
+    temperature: float = 1.0
+    # nucleus sampling: keep the smallest set of tokens whose probability mass reaches top_p
+    top_p: float = 1.0
+    # keep only the top_k most likely tokens; 0 or -1 = all
+    top_k: int = 0
+    # a seeded request draws from its own generator: the same seed gives the same tokens, run to run
+    seed: int | None = None
+    # generated tokens at most; None = until EOS, a stop condition or max_model_len
+    max_tokens: int | None = 16
+    # strings that end the output; the matched stop string is not included in the text
+    stop: tuple[str, ...] = ()
+    # token ids that end the output (the id itself is kept in token_ids, not in the text)
+    stop_token_ids: tuple[int, ...] = ()
+    # keep generating past EOS (benchmarks)
+    ignore_eos: bool = False
+    # completions to return per prompt
+    n: int = 1
+    # also return this many top logprobs per generated token (None = no logprobs)
+    logprobs: int | None = None
+    # do not start generation until at least this many tokens are produced
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        # NOTE: accept lists and a lone string from callers; normalised once here, never changed later
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def top_k_or_none(self) -> int | None:
+        return self.top_k if self.top_k > 0 else None
