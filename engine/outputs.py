@@ -32,4 +32,3 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    num_preemptions: int = 0

@@ -70,6 +70,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # preemptions since start (a test hook and, later, a metric)
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ queue
     @property
@@ -146,6 +148,7 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 

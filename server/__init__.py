@@ -1,0 +1,1 @@
+"""specserve server package."""

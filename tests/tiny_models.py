@@ -1,0 +1,43 @@
+"""Tiny random Llama-family checkpoints the tests build themselves, and the transformers reference."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                   max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=0,
+                   bos_token_id=1, initializer_range=0.15)
+
+
+def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, **overrides) -> str:
+    """Save a random tiny model as a Hugging Face folder; the large init range makes logits peaked,
+    so greedy ties never flip on rounding, while tokens still depend on their context."""
+    torch.manual_seed(seed)
+    shapes = {**TINY_SHAPES, **overrides}
+    if kind == "llama":
+        config = transformers.LlamaConfig(**shapes)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**shapes)
+        model = transformers.Qwen2ForCausalLM(config)
+    elif kind == "mistral":
+        config = transformers.MistralConfig(**shapes)
+        model = transformers.MistralForCausalLM(config)
+    else:
+        raise ValueError(kind)
+    model.save_pretrained(path)
+    return str(path)
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int,
+              dtype: torch.dtype = torch.float64) -> list[int]:
+    """The reference: transformers' own greedy generate on the same weights."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
