@@ -36,15 +36,23 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from `probs` [vocab]: argmax(p / E) with E ~ Exp(1) i.i.d. picks i with probability p_i."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    """One draw from `probs` [vocab]: argmax(p / E) with E ~ Exp(1) i.i.d. picks i with probability p_i.
+
+    A seeded request's generator lives on the CPU, so its draws are the same on every device.
+    """
+    if generator is not None and generator.device != probs.device:
+        noise = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=generator)
+        noise = noise.to(probs.device)
+    else:
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # 0/0 would make a masked token win
     return int(torch.argmax(probs / noise))
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
     """Log-probabilities of the raw target distribution (before temperature), as OpenAI reports them."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
-    chosen = torch.tensor(token_ids, dtype=torch.int64)
+    chosen = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
     chosen_lp = logprobs.gather(1, chosen[:, None])  # [rows, 1]
     ranks = (logprobs > chosen_lp).sum(dim=-1) + 1  # [rows]
     max_top = max(num_top)
@@ -60,6 +68,7 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[i
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         """logits: [num_requests, vocab], row i for requests[i]; returns one token per request."""
+        raw_logits = logits
         logits = self._mask_banned(logits, requests)
         token_ids = torch.argmax(logits, dim=-1).tolist()  # greedy answer for every row
         for row, request in enumerate(requests):
@@ -71,7 +80,7 @@ class Sampler:
         if all(n is None for n in want):
             return [SampledToken(t) for t in token_ids]
         rows = [i for i, n in enumerate(want) if n is not None]
-        lps = compute_logprobs(logits[rows], [token_ids[i] for i in rows], [want[i] for i in rows])
+        lps = compute_logprobs(raw_logits[rows], [token_ids[i] for i in rows], [want[i] for i in rows])
         by_row = dict(zip(rows, lps))
         return [SampledToken(t, by_row.get(i)) for i, t in enumerate(token_ids)]
 

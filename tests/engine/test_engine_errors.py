@@ -1,0 +1,63 @@
+"""Bad engine settings and bad requests fail at once with a message that says what was expected."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(tiny_llama, dtype="float64", max_model_len=64, num_kv_blocks=16)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dtype="int8"), "dtype must be"),
+    (dict(device="tpu"), "device must be"),
+    (dict(max_model_len=100_000), "max_position_embeddings"),
+    (dict(max_model_len=512, num_kv_blocks=4), "KV cache holds"),
+    (dict(block_size=12), "power of two"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+])
+def test_bad_engine_settings(tiny_llama, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_llama, **kwargs)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                      "model_type": "gpt2"}))
+    save_file({"wte.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+        LLM(str(tmp_path))
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt_token_ids": [1] * 64}, "max_model_len"),
+    ({"prompt_token_ids": []}, "at least one token"),
+    ({"prompt_token_ids": [1, 10_000]}, "token ids must be in"),
+    ("text needs a tokenizer", "no tokenizer"),
+])
+def test_bad_prompts_are_rejected_and_leave_nothing_behind(llm, prompt, message):
+    good = {"prompt_token_ids": [1, 2, 3]}
+    with pytest.raises(ValueError, match=message):
+        llm.generate([good, prompt], SamplingParams(max_tokens=4))
+    assert not llm.engine.has_unfinished
+    assert llm.engine.scheduler.block_manager.num_free_blocks == 16
+
+
+def test_mismatched_params_list(llm):
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([{"prompt_token_ids": [1]}], [SamplingParams(), SamplingParams()])
+
+
+def test_generation_stops_at_max_model_len(llm):
+    out = llm.generate({"prompt_token_ids": [1] * 60},
+                       SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    completion = out[0].outputs[0]
+    assert len(completion.token_ids) == 4 and completion.finish_reason == "length"
