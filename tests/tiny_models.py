@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import transformers
 
-TINY_SHAPES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
-                   max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=0,
-                   bos_token_id=1, initializer_range=0.15)
+TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
+                   "max_position_embeddings": 512, "tie_word_embeddings": False, "eos_token_id": 0,
+                   "bos_token_id": 1, "initializer_range": 0.15}
 
 
 def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, **overrides) -> str:

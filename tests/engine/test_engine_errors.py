@@ -17,12 +17,12 @@ def llm(tiny_llama) -> LLM:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(dtype="int8"), "dtype must be"),
-    (dict(device="tpu"), "device must be"),
-    (dict(max_model_len=100_000), "max_position_embeddings"),
-    (dict(max_model_len=512, num_kv_blocks=4), "KV cache holds"),
-    (dict(block_size=12), "power of two"),
-    (dict(max_num_seqs=0), "max_num_seqs"),
+    ({"dtype": "int8"}, "dtype must be"),
+    ({"device": "tpu"}, "device must be"),
+    ({"max_model_len": 100_000}, "max_position_embeddings"),
+    ({"max_model_len": 512, "num_kv_blocks": 4}, "KV cache holds"),
+    ({"block_size": 12}, "power of two"),
+    ({"max_num_seqs": 0}, "max_num_seqs"),
 ])
 def test_bad_engine_settings(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -18,10 +18,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # engine settings that change how the same work is cut up: each must leave the tokens unchanged
 ENGINE_SETUPS = {
-    "roomy": dict(),
-    "chunked_prefill": dict(max_num_batched_tokens=8),
-    "two_seats": dict(max_num_seqs=2),
-    "tiny_blocks": dict(block_size=4),
+    "roomy": {},
+    "chunked_prefill": {"max_num_batched_tokens": 8},
+    "two_seats": {"max_num_seqs": 2},
+    "tiny_blocks": {"block_size": 4},
 }
 
 
