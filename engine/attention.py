@@ -4,10 +4,13 @@ Every sequence in a step contributes `num_query_tokens` rows (a prefill chunk, o
 verification rows) that attend causally to all of its cached context. The metadata below is built once per
 step and shared by every layer, so a layer costs the same few torch calls whatever the batch holds.
 
-KV cache layout, one tensor per layer:
+KV cache layout, one tensor per layer (a token's slot = block_id * block_size + offset):
 
-    kv_cache[0] = keys   [num_slots, num_kv_heads, head_dim]     slot = block_id * block_size + offset
-    kv_cache[1] = values [num_slots, num_kv_heads, head_dim]
+    kv_cache[0] = keys   [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache[1] = values [num_blocks, block_size, num_kv_heads, head_dim]
+
+Reading a context gathers whole blocks (one index per block_size tokens), which is several times faster
+on the CPU than gathering token by token.
 """
 
 from __future__ import annotations
@@ -23,16 +26,17 @@ class AttentionMetadata:
     num_seqs: int
     # the longest number of query rows of any sequence in the step
     max_query_len: int
-    # the longest context (cached prefix + this step's rows) of any sequence
-    max_seq_len: int
+    # keys each query row sees after the gather: the longest context, rounded up to whole blocks when
+    # several sequences share the padded layout
+    kv_len: int
     # [num_tokens] int64: where each new token's K/V is written in the flat slot space
     slot_mapping: torch.Tensor
-    # [num_seqs, max_seq_len] int64: the slots of each sequence's context in order, padded with slot 0
-    kv_gather_index: torch.Tensor
+    # [num_seqs, max_num_blocks] int64: each sequence's block table, padded with block 0
+    block_gather_index: torch.Tensor
     # [num_tokens] int64: row of each flattened query in the padded [num_seqs * max_query_len] layout;
     # None when the flattened batch is already that layout (all sequences have max_query_len rows)
     query_pad_index: torch.Tensor | None
-    # [num_seqs, 1, max_query_len, max_seq_len] bool, True = may attend; None = attend to everything
+    # [num_seqs, 1, max_query_len, kv_len] bool, True = may attend; None = attend to everything
     attn_mask: torch.Tensor | None
 
 
@@ -52,15 +56,17 @@ def build_attention_metadata(
     num_seqs = len(query_lens)
     max_query_len = max(query_lens)
     max_seq_len = max(seq_lens)
-    # ---- slot of every context token, padded per sequence ----
-    gather = torch.zeros(num_seqs, max_seq_len, dtype=torch.int64)
+    max_num_blocks = -(-max_seq_len // block_size)
+    # a lone sequence slices its gathered blocks to its exact length; a batch pads to whole blocks
+    kv_len = max_seq_len if num_seqs == 1 else max_num_blocks * block_size
+    # ---- block tables, padded; the slot of every new token ----
+    gather = torch.zeros(num_seqs, max_num_blocks, dtype=torch.int64)
     slot_chunks = []
     for i, (seq_len, query_len, table) in enumerate(zip(seq_lens, query_lens, block_tables)):
-        positions = torch.arange(seq_len, dtype=torch.int64)
-        blocks = torch.tensor(table, dtype=torch.int64)[positions // block_size]
-        slots = blocks * block_size + positions % block_size  # [seq_len]
-        gather[i, :seq_len] = slots
-        slot_chunks.append(slots[seq_len - query_len:])
+        num_blocks = -(-seq_len // block_size)
+        gather[i, :num_blocks] = torch.tensor(table[:num_blocks], dtype=torch.int64)
+        positions = torch.arange(seq_len - query_len, seq_len, dtype=torch.int64)
+        slot_chunks.append(gather[i, positions // block_size] * block_size + positions % block_size)
     slot_mapping = torch.cat(slot_chunks)
     # ---- where the flattened query rows sit in the padded layout ----
     query_pad_index = None
@@ -70,12 +76,12 @@ def build_attention_metadata(
         ])
     # ---- causal mask over each sequence's context ----
     attn_mask = None
-    needs_mask = max_query_len > 1 or any(s != max_seq_len for s in seq_lens)
+    needs_mask = max_query_len > 1 or num_seqs > 1
     if needs_mask or sliding_window is not None:
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)[:, None, None]  # [B, 1, 1]
         query_lens_t = torch.tensor(query_lens, dtype=torch.int64)[:, None, None]
         row = torch.arange(max_query_len, dtype=torch.int64)[None, :, None]  # [1, Q, 1]
-        key_pos = torch.arange(max_seq_len, dtype=torch.int64)[None, None, :]  # [1, 1, L]
+        key_pos = torch.arange(kv_len, dtype=torch.int64)[None, None, :]  # [1, 1, L]
         query_pos = seq_lens_t - query_lens_t + row  # [B, Q, 1]
         attn_mask = key_pos <= query_pos
         if sliding_window is not None:
@@ -87,9 +93,9 @@ def build_attention_metadata(
     return AttentionMetadata(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
+        kv_len=kv_len,
         slot_mapping=slot_mapping.to(device),
-        kv_gather_index=gather.to(device),
+        block_gather_index=gather.to(device),
         query_pad_index=None if query_pad_index is None else query_pad_index.to(device),
         attn_mask=None if attn_mask is None else attn_mask.to(device),
     )
@@ -98,21 +104,26 @@ def build_attention_metadata(
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """Store this step's keys and values; rejected draft slots are simply overwritten by a later step."""
-    kv_cache[0].index_copy_(0, meta.slot_mapping, key)  # key: [num_tokens, num_kv_heads, head_dim]
-    kv_cache[1].index_copy_(0, meta.slot_mapping, value)
+    num_kv_heads, head_dim = key.shape[1:]  # key, value: [num_tokens, num_kv_heads, head_dim]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> torch.Tensor:
     """Attention of each query row over its sequence's cached context.
 
-    query: [num_tokens, num_heads, head_dim]; kv_cache: [2, num_slots, num_kv_heads, head_dim]
+    query: [num_tokens, num_heads, head_dim]
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
     returns [num_tokens, num_heads * head_dim]
     """
     num_tokens, num_heads, head_dim = query.shape
     batch, max_q = meta.num_seqs, meta.max_query_len
-    keys = kv_cache[0][meta.kv_gather_index]  # [B, L, kvH, D]
-    values = kv_cache[1][meta.kv_gather_index]  # [B, L, kvH, D]
+    num_kv_heads = kv_cache.shape[3]
+    blocks = meta.block_gather_index.view(-1)  # [B * max_num_blocks]
+    keys = kv_cache[0].index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)
+    values = kv_cache[1].index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)
+    keys, values = keys[:, :meta.kv_len], values[:, :meta.kv_len]  # [B, L, kvH, D]
     if meta.query_pad_index is None:
         padded = query.view(batch, max_q, num_heads, head_dim)
     else:

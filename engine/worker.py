@@ -42,13 +42,15 @@ class Worker:
         model.load_weights(checkpoint.weights)
         if self.arch.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
+        if self.device.type == "cpu":
+            store_linear_weights_transposed(model)
         self.model = model.eval()
         self.kv_spec = self._size_kv_cache(model_config, cache_config)
         self.kv_caches = [
-            torch.zeros(2, self.kv_spec.num_slots, self.arch.num_kv_heads, self.arch.head_dim,
-                        dtype=self.dtype, device=self.device)
+            torch.zeros(2, self.kv_spec.num_blocks, self.kv_spec.block_size, self.arch.num_kv_heads,
+                        self.arch.head_dim, dtype=self.dtype, device=self.device)
             for _ in range(self.arch.num_layers)
-        ]  # per layer: [2, num_slots, num_kv_heads, head_dim]
+        ]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
         logger.info("loaded %s: %d layers, %s on %s; KV cache %d blocks x %d tokens",
                     checkpoint.source, self.arch.num_layers, self.dtype, self.device,
                     self.kv_spec.num_blocks, self.kv_spec.block_size)
@@ -75,3 +77,16 @@ class Worker:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
         return ModelRunnerOutput(logits=logits)
+
+
+def store_linear_weights_transposed(model: torch.nn.Module) -> None:
+    """Keep every Linear weight [out, in] as a view of [in, out] storage.
+
+    On the CPU, MKL multiplies one decode row by a weight stored this way about twice as fast as by
+    the row-major layout (measured: 30 vs 56 ms for all 135M weights at batch 1, 2 threads),
+    because it streams the weight once with both threads. The values are unchanged.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            weight = module.weight.data
+            module.weight.data = weight.t().contiguous().t()  # same [out, in] shape, strides (1, out)
