@@ -36,8 +36,11 @@ class AttentionMetadata:
     # [num_tokens] int64: row of each flattened query in the padded [num_seqs * max_query_len] layout;
     # None when the flattened batch is already that layout (all sequences have max_query_len rows)
     query_pad_index: torch.Tensor | None
-    # [num_seqs, 1, max_query_len, kv_len] bool, True = may attend; None = attend to everything
+    # [num_seqs, 1, max_query_len, kv_len] bool, True = may attend; None = see is_causal
     attn_mask: torch.Tensor | None
+    # with no mask: True = plain causal attention (a lone sequence prefilled from position 0, where
+    # SDPA's built-in causal path is several times faster than an explicit mask), False = attend to all
+    is_causal: bool = False
 
 
 def build_attention_metadata(
@@ -76,8 +79,10 @@ def build_attention_metadata(
         ])
     # ---- causal mask over each sequence's context ----
     attn_mask = None
-    needs_mask = max_query_len > 1 or num_seqs > 1
-    if needs_mask or sliding_window is not None:
+    is_causal = num_seqs == 1 and max_query_len == max_seq_len > 1 and (
+        sliding_window is None or max_seq_len <= sliding_window)
+    needs_mask = (max_query_len > 1 or num_seqs > 1) and not is_causal
+    if needs_mask or (sliding_window is not None and max_seq_len > sliding_window):
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)[:, None, None]  # [B, 1, 1]
         query_lens_t = torch.tensor(query_lens, dtype=torch.int64)[:, None, None]
         row = torch.arange(max_query_len, dtype=torch.int64)[None, :, None]  # [1, Q, 1]
@@ -98,6 +103,7 @@ def build_attention_metadata(
         block_gather_index=gather.to(device),
         query_pad_index=None if query_pad_index is None else query_pad_index.to(device),
         attn_mask=None if attn_mask is None else attn_mask.to(device),
+        is_causal=is_causal,
     )
 
 
@@ -135,6 +141,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         keys.transpose(1, 2),  # [B, kvH, L, D]
         values.transpose(1, 2),
         attn_mask=meta.attn_mask,
+        is_causal=meta.is_causal,
         scale=scale,
         enable_gqa=True,
     )  # [B, H, Q, D]
