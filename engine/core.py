@@ -2,21 +2,41 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.proposers import Proposer, build_proposer
 from engine.request import Request
-from engine.sample.sampler import Sampler
+from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestUpdate, Scheduler
+from engine.spec_config import SpeculativeConfig
 from engine.worker import Worker
+
+
+@dataclass
+class EngineTotals:
+    """Counters since start; the metrics exporter reads differences."""
+
+    num_steps: int = 0
+    # seconds in target forward + verification, and in proposing drafts
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
 
 
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig) -> None:
+                 scheduler_config: SchedulerConfig,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.worker = Worker(model_config, cache_config)
         self.scheduler = Scheduler(scheduler_config, self.worker.kv_spec)
-        self.sampler = Sampler()
+        self.sampler = RejectionSampler()
+        self.speculative_config = speculative_config
+        self.proposer: Proposer | None = (
+            None if speculative_config is None else build_proposer(speculative_config))
         self.eos_token_ids = frozenset(self.worker.arch.eos_token_ids)
+        self.totals = EngineTotals()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
@@ -29,18 +49,47 @@ class EngineCore:
             Request(request_id, list(prompt_token_ids), params, self.eos_token_ids))
 
     def abort(self, request_ids: list[str]) -> list[RequestUpdate]:
-        updates = (self.scheduler.abort(request_id) for request_id in request_ids)
-        return [u for u in updates if u is not None]
+        updates = [u for u in map(self.scheduler.abort, request_ids) if u is not None]
+        self._free_proposer_state(updates)
+        return updates
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[RequestUpdate]:
-        """schedule -> one target forward -> sample -> commit."""
+        """schedule -> one target forward (verifying drafts) -> rejection-sample -> commit -> propose."""
+        start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
         out = self.worker.execute(scheduled, self.scheduler.block_manager)
-        sampled = self.sampler(out.logits, scheduled.sampling_requests)
-        return self.scheduler.commit(scheduled, sampled)
+        sampled = self.sampler(out.logits, scheduled.sampling)
+        updates = self.scheduler.commit(scheduled, sampled)
+        proposed = time.perf_counter()
+        self._propose_drafts()
+        self._account(start, proposed, updates)
+        return updates
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the NEXT step, from the tokens just committed (so the scheduler can budget them)."""
+        if self.proposer is None:
+            return
+        requests = self.scheduler.decoding
+        k = self.speculative_config.num_speculative_tokens
+        caps = [self.scheduler.draft_budget(r, k) for r in requests]
+        for request, proposal in zip(requests, self.proposer.propose(requests, caps, None)):
+            request.draft_token_ids, request.draft_probs = proposal.token_ids, proposal.probs
+
+    def _account(self, start: float, proposed: float, updates: list[RequestUpdate]) -> None:
+        now = time.perf_counter()
+        self.totals.num_steps += 1
+        self.totals.verify_seconds += proposed - start
+        self.totals.draft_seconds += now - proposed
+        self._free_proposer_state(updates)
+
+    def _free_proposer_state(self, updates: list[RequestUpdate]) -> None:
+        if self.proposer is not None:
+            for update in updates:
+                if update.finish_reason is not None:
+                    self.proposer.free(update.request_id)

@@ -18,7 +18,8 @@ class ModelInputs:
     # [num_tokens] int64: each token's absolute position in its sequence
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
-    # [num_sampling_rows] int64: rows of the flattened batch whose logits are needed
+    # [num_sampling_rows] int64: rows of the flattened batch whose logits are needed: per sampling
+    # request, its last known token's row then one row per draft token (1 + num_draft_tokens rows)
     logits_indices: torch.Tensor
 
 
@@ -32,10 +33,11 @@ def build_model_inputs(output: SchedulerOutput, block_manager: BlockManager,
         request = item.request
         start = request.num_computed_tokens
         end = start + item.num_new_tokens
-        token_ids += request.token_ids_between(start, end)
+        token_ids += request.token_ids_between(start, end - item.num_draft_tokens)
+        token_ids += request.draft_token_ids[:item.num_draft_tokens]
         positions += range(start, end)
         if item.is_sampling:
-            logits_indices.append(len(token_ids) - 1)
+            logits_indices += range(len(token_ids) - 1 - item.num_draft_tokens, len(token_ids))
         query_lens.append(item.num_new_tokens)
         seq_lens.append(end)
         block_tables.append(block_manager.block_table(request.request_id))

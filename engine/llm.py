@@ -16,6 +16,8 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestUpdate
+from engine.spec_config import SpeculativeConfig
+from engine.spec_stats import SpecStats
 
 # a prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}
 PromptType = str | list[int] | dict[str, Any]
@@ -26,7 +28,12 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, block_size: int = 16,
                  kv_cache_memory_gib: float = 1.0, num_kv_blocks: int | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None,
+                 speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None,
+                 ) -> None:
+        if speculative_config is not None and not isinstance(speculative_config,
+                                                             SpeculativeConfig):
+            speculative_config = SpeculativeConfig.from_json(speculative_config)
         self.engine = EngineCore(
             ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                         num_threads=num_threads),
@@ -34,6 +41,7 @@ class LLM:
                         num_blocks=num_kv_blocks),
             SchedulerConfig(max_num_seqs=max_num_seqs,
                             max_num_batched_tokens=max_num_batched_tokens),
+            speculative_config,
         )
         self.tokenizer = self.engine.worker.tokenizer
         self._request_counter = itertools.count()
@@ -97,12 +105,16 @@ class LLM:
         progress.close()
         for result in results:
             result.finished = True
+            result.spec_stats = SpecStats.merged([c.spec_stats for c in result.outputs
+                                                  if c.spec_stats is not None])
         return results
 
     def _apply(self, update: RequestUpdate,
                trackers: dict[str, tuple[CompletionOutput, IncrementalDetokenizer | None]]) -> bool:
         """Fold one engine update into its completion; True when that completion just finished."""
         completion, detok = trackers[update.request_id]
+        if update.spec_stats is not None:
+            completion.spec_stats = update.spec_stats
         if completion.finish_reason is not None:
             return False  # already ended here by a stop string; this is the engine's abort echo
         completion.token_ids += update.new_token_ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import TokenLogprobs
+from engine.spec_stats import SpecStats
 
 
 @dataclass
@@ -19,6 +20,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # per generated token when SamplingParams.logprobs is set
     logprobs: list[TokenLogprobs] | None = None
+    # this completion's speculation: drafts proposed and accepted, α, τ
+    spec_stats: SpecStats | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -32,3 +35,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    # speculation over all n completions (zero drafts when speculation is off)
+    spec_stats: SpecStats | None = None

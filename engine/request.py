@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.spec_stats import SpecStats
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +57,11 @@ class Request:
     num_preemptions: int = 0
     # a private random stream for seeded requests, so batch neighbours cannot change their tokens
     generator: torch.Generator | None = None
+    # drafts proposed at the end of the last step, verified in the next one
+    draft_token_ids: list[int] = field(default_factory=list)
+    # [len(draft_token_ids), vocab] draft distribution q, None for deterministic drafts
+    draft_probs: torch.Tensor | None = None
+    spec_stats: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -33,6 +33,8 @@ class SamplingParams:
     # do not start generation until at least this many tokens are produced
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # per-request speculation cap: None = the engine's k, 0 = no speculation for this request
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # NOTE: accept lists and a lone string from callers; normalised once here, never changed later
@@ -55,6 +57,9 @@ class SamplingParams:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -13,18 +13,23 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import KVCacheSpec, SchedulerConfig
 from engine.request import FinishReason, Request, RequestStatus, TokenLogprobs
+from engine.spec_stats import SpecStats
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    # tokens whose K/V this step computes: a prefill chunk, or 1 for a decode step
+    # tokens whose K/V this step computes: a prefill chunk, or 1 + num_draft_tokens for a decode step
     num_new_tokens: int
+    # the request's draft tokens verified in this step (the tail of num_new_tokens); 0 = plain decode
+    num_draft_tokens: int = 0
+    # NOTE: fixed when scheduled; the request itself moves on at commit
+    is_sampling: bool = False
 
     @property
-    def is_sampling(self) -> bool:
-        """True when this step reaches the request's last known token, so its logits pick the next one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def num_known_tokens(self) -> int:
+        """Tokens of prompt + output computed this step (not drafts)."""
+        return self.num_new_tokens - self.num_draft_tokens
 
 
 @dataclass
@@ -41,14 +46,18 @@ class SchedulerOutput:
         return not self.scheduled
 
     @property
-    def sampling_requests(self) -> list[Request]:
-        return [s.request for s in self.scheduled if s.is_sampling]
+    def sampling(self) -> list[ScheduledRequest]:
+        """The scheduled requests whose logits pick new tokens this step, in batch order."""
+        return [s for s in self.scheduled if s.is_sampling]
 
 
 @dataclass
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None = None
+class SampledTokens:
+    """What verification kept for one request: accepted drafts, then one recovered or bonus token."""
+
+    token_ids: list[int]
+    # one per token when the request asked for logprobs
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -60,6 +69,8 @@ class RequestUpdate:
     new_logprobs: list[TokenLogprobs] | None
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
+    # the request's speculation stats, on its final update
+    spec_stats: SpecStats | None = None
 
 
 class Scheduler:
@@ -101,7 +112,8 @@ class Scheduler:
         else:
             self.running.remove(request)
         self._finish(request, FinishReason.ABORT)
-        return RequestUpdate(request_id, [], None, FinishReason.ABORT)
+        return RequestUpdate(request_id, [], None, FinishReason.ABORT,
+                             spec_stats=request.spec_stats)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
@@ -112,8 +124,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            total = request.num_computed_tokens + num_new
+            item = self._plan(request, budget)
+            total = request.num_computed_tokens + item.num_new_tokens
             while not self.block_manager.can_allocate(request.request_id, total):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -122,8 +134,8 @@ class Scheduler:
                     break
             else:
                 self.block_manager.allocate(request.request_id, total)
-                scheduled.append(ScheduledRequest(request, num_new))
-                budget -= num_new
+                scheduled.append(item)
+                budget -= item.num_new_tokens
                 index += 1
                 continue
             break  # the request itself was preempted: nothing after it is running any more
@@ -131,50 +143,88 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(request.request_id, num_new):
+            item = self._plan(request, budget)
+            if not self.block_manager.can_allocate(request.request_id, item.num_new_tokens):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(request.request_id, num_new)
+            self.block_manager.allocate(request.request_id, item.num_new_tokens)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            scheduled.append(item)
+            budget -= item.num_new_tokens
         num_batched = self.config.max_num_batched_tokens - budget
         return SchedulerOutput(scheduled, num_batched, preempted)
+
+    @staticmethod
+    def _plan(request: Request, budget: int) -> ScheduledRequest:
+        """The next chunk of known tokens that fits the budget, then as many drafts as still fit."""
+        num_known = min(request.num_tokens - request.num_computed_tokens, budget)
+        is_sampling = request.num_computed_tokens + num_known == request.num_tokens
+        num_draft = min(len(request.draft_token_ids), budget - num_known) if is_sampling else 0
+        return ScheduledRequest(request, num_known + num_draft, num_draft, is_sampling)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the K/V now, rebuild it from prompt + output later."""
         self.block_manager.free(request.request_id)
         request.num_computed_tokens = 0
+        request.draft_token_ids, request.draft_probs = [], None
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
     # ------------------------------------------------------------------ commit
-    def commit(self, output: SchedulerOutput, sampled: list[SampledToken]) -> list[RequestUpdate]:
-        """Advance every scheduled request; `sampled` holds one token per sampling request, in order."""
+    def commit(self, output: SchedulerOutput, sampled: list[SampledTokens]) -> list[RequestUpdate]:
+        """Advance every scheduled request; `sampled` holds one entry per sampling request, in order.
+
+        K/V of the accepted drafts is already in the cache, so num_computed_tokens moves past them;
+        the slots of rejected drafts are simply overwritten later. A stop condition met inside an
+        accepted block ends the request there and drops the rest of the block.
+        """
         updates: list[RequestUpdate] = []
         samples = iter(sampled)
         for item in output.scheduled:
             request = item.request
-            is_sampling = item.is_sampling
-            request.num_computed_tokens += item.num_new_tokens
-            if not is_sampling:
+            request.num_computed_tokens += item.num_known_tokens
+            if not item.is_sampling:
                 continue
-            token = next(samples)
-            request.output_token_ids.append(token.token_id)
-            if token.logprobs is not None:
-                request.output_logprobs.append(token.logprobs)
-            finish_reason, stop_reason = self._check_stop(request, token.token_id)
-            updates.append(RequestUpdate(
-                request.request_id, [token.token_id],
-                None if token.logprobs is None else [token.logprobs], finish_reason, stop_reason))
-            if finish_reason is not None:
+            kept = next(samples)
+            num_accepted = len(kept.token_ids) - 1
+            request.num_computed_tokens += num_accepted
+            request.draft_token_ids, request.draft_probs = [], None
+            update = RequestUpdate(request.request_id, [], [] if kept.logprobs else None)
+            for position, token_id in enumerate(kept.token_ids):
+                request.output_token_ids.append(token_id)
+                update.new_token_ids.append(token_id)
+                if kept.logprobs:
+                    request.output_logprobs.append(kept.logprobs[position])
+                    update.new_logprobs.append(kept.logprobs[position])
+                update.finish_reason, update.stop_reason = self._check_stop(request, token_id)
+                if update.finish_reason is not None:
+                    break
+            request.spec_stats.observe(item.num_draft_tokens, num_accepted,
+                                       len(update.new_token_ids))
+            updates.append(update)
+            if update.finish_reason is not None:
                 self.running.remove(request)
-                self._finish(request, finish_reason, stop_reason)
+                self._finish(request, update.finish_reason, update.stop_reason)
+                update.spec_stats = request.spec_stats
         return updates
+
+    @property
+    def decoding(self) -> list[Request]:
+        """Running requests whose next step is a decode step (all known tokens but the last computed)."""
+        return [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+
+    def draft_budget(self, request: Request, k: int) -> int:
+        """Drafts worth proposing: no more than the tokens the request may still emit, minus the
+        one verification adds, and never past max_model_len."""
+        if request.params.num_speculative_tokens is not None:
+            k = min(k, request.params.num_speculative_tokens)
+        remaining = self.max_model_len - request.num_tokens
+        if request.params.max_tokens is not None:
+            remaining = min(remaining, request.params.max_tokens - request.num_output_tokens)
+        return max(0, min(k, remaining - 1))
 
     def _check_stop(self, request: Request, token_id: int) -> tuple[FinishReason | None, int | None]:
         params = request.params

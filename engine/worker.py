@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ModelRunnerOutput:
-    # [num_sampling_requests, vocab] float: logits at each sampling request's last scheduled row
+    # [num_sampling_rows, vocab]: per sampling request, 1 + num_draft_tokens rows (input_batch.py)
     logits: torch.Tensor
 
 
@@ -78,6 +78,6 @@ class Worker:
     def execute(self, output: SchedulerOutput, block_manager) -> ModelRunnerOutput:
         inputs = build_model_inputs(output, block_manager, self.arch.sliding_window, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampling, vocab]
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
         return ModelRunnerOutput(logits=logits)
 

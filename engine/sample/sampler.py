@@ -11,7 +11,7 @@ import torch
 
 from engine.request import Request, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledToken
+from engine.scheduler import SampledTokens
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
@@ -66,33 +66,37 @@ def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[i
 
 
 class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledTokens]:
         """logits: [num_requests, vocab], row i for requests[i]; returns one token per request."""
         raw_logits = logits
-        logits = self._mask_banned(logits, requests)
+        logits = mask_banned_tokens(logits, [(row, r, r.num_output_tokens)
+                                             for row, r in enumerate(requests)])
         token_ids = torch.argmax(logits, dim=-1).tolist()  # greedy answer for every row
         for row, request in enumerate(requests):
             if request.params.is_greedy:
                 continue
             probs = target_probs(logits[row], request.params)
-            token_ids[row] = exponential_race(probs, request.generator)
+            token_ids[row] = exponential_race(probs, request.generator)  # NOTE: as RejectionSampler
         want = [r.params.logprobs for r in requests]
         if all(n is None for n in want):
-            return [SampledToken(t) for t in token_ids]
+            return [SampledTokens([t]) for t in token_ids]
         rows = [i for i, n in enumerate(want) if n is not None]
         lps = compute_logprobs(raw_logits[rows], [token_ids[i] for i in rows], [want[i] for i in rows])
         by_row = dict(zip(rows, lps))
-        return [SampledToken(t, by_row.get(i)) for i, t in enumerate(token_ids)]
+        return [SampledTokens([t], None if i not in by_row else [by_row[i]])
+                for i, t in enumerate(token_ids)]
 
-    @staticmethod
-    def _mask_banned(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Before min_tokens is reached, EOS and stop tokens cannot be chosen."""
-        banned_rows = [(i, r) for i, r in enumerate(requests)
-                       if r.num_output_tokens < r.params.min_tokens]
-        if not banned_rows:
-            return logits
-        logits = logits.clone()
-        for row, request in banned_rows:
-            ids = list(request.eos_token_ids | set(request.params.stop_token_ids))
-            logits[row, ids] = float("-inf")
+
+def mask_banned_tokens(logits: torch.Tensor,
+                       rows: list[tuple[int, Request, int]]) -> torch.Tensor:
+    """Before min_tokens is reached, EOS and stop tokens cannot be chosen.
+
+    rows: (logits row, its request, index of the output token that row picks).
+    """
+    banned = [(row, r) for row, r, index in rows if index < r.params.min_tokens]
+    if not banned:
         return logits
+    logits = logits.clone()
+    for row, request in banned:
+        logits[row, list(request.eos_token_ids | set(request.params.stop_token_ids))] = float("-inf")
+    return logits

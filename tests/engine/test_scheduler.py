@@ -11,7 +11,7 @@ import pytest
 from engine.config import KVCacheSpec, SchedulerConfig
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate, SampledToken, Scheduler
+from engine.scheduler import RequestUpdate, SampledTokens, Scheduler
 
 EOS = 0
 FILLER = 7  # a token that stops nothing
@@ -34,7 +34,7 @@ def make_request(request_id: str, num_prompt_tokens: int = 4, **params: object) 
 
 @dataclass
 class Step:
-    """What one step scheduled, snapshot before commit (is_sampling reads live request state)."""
+    """What one step scheduled and what its commit reported."""
 
     scheduled: list[tuple[str, int]]  # (request id, num_new_tokens) in batch order
     sampling_ids: list[str]
@@ -47,8 +47,8 @@ def step(scheduler: Scheduler, next_token: Callable[[Request], int] = lambda r: 
     """One engine step with a fake sampler: `next_token` picks each sampling request's token."""
     output = scheduler.schedule()
     scheduled = [(s.request.request_id, s.num_new_tokens) for s in output.scheduled]
-    sampling = output.sampling_requests
-    updates = scheduler.commit(output, [SampledToken(next_token(r)) for r in sampling])
+    sampling = [s.request for s in output.sampling]
+    updates = scheduler.commit(output, [SampledTokens([next_token(r)]) for r in sampling])
     return Step(scheduled, [r.request_id for r in sampling], output.preempted_ids,
                 output.num_batched_tokens, updates)
 
