@@ -1,1 +1,45 @@
-"""specserve kernels package."""
+"""specserve kernels: each a torch reference (the specification) plus a Triton kernel that must agree.
+
+`rejection_sample` runs the Triton kernel on CUDA tensors when Triton is installed, else the reference;
+Triton is imported only then, so CPU-only processes never pay for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+from torch import Tensor
+
+from kernels.rejection_reference import PLACEHOLDER_TOKEN_ID
+from kernels.rejection_reference import rejection_sample as rejection_sample_reference
+
+__all__ = ["PLACEHOLDER_TOKEN_ID", "rejection_sample", "rejection_sample_reference",
+           "triton_is_usable"]
+
+
+@functools.cache
+def triton_is_usable() -> bool:
+    """Triton can launch here: it is installed and a CUDA device is present."""
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+
+
+def rejection_sample(
+    draft_token_ids: Tensor,  # [num_draft_tokens] int64
+    cu_num_draft_tokens: Tensor,  # [batch] int64
+    draft_probs: Tensor | None,  # [num_draft_tokens, vocab_size] float32, or None: one-hot drafts
+    target_probs: Tensor,  # [num_draft_tokens + batch, vocab_size] float32
+    bonus_token_ids: Tensor,  # [batch] int64
+    is_greedy: Tensor,  # [batch] bool
+    uniform_samples: Tensor,  # [num_draft_tokens] float32 or float64
+    recovery_noise: Tensor,  # [num_draft_tokens, vocab_size] float32
+    max_spec_len: int,
+) -> Tensor:  # [batch, max_spec_len + 1] int64
+    """Dispatch to Triton or the reference; the contract is in `kernels.rejection_reference`."""
+    if target_probs.is_cuda and triton_is_usable():
+        from kernels.rejection_triton import rejection_sample as implementation
+    else:
+        implementation = rejection_sample_reference
+    return implementation(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs,
+                          bonus_token_ids, is_greedy, uniform_samples, recovery_noise, max_spec_len)

@@ -62,7 +62,8 @@ class RejectionSampler:
             draft_ids += request.draft_token_ids[:k]
             draft_q.append(None if request.draft_probs is None else request.draft_probs[:k])
             uniforms.append(torch.rand(k, generator=request.generator))
-            noises.append(torch.empty(k, vocab).exponential_(generator=request.generator))
+            noise = torch.empty(k, vocab).exponential_(generator=request.generator)
+            noises.append(noise.clamp_min_(torch.finfo(noise.dtype).tiny))  # kernels need > 0
 
         device = logits.device
         num_drafts = torch.tensor([i.num_draft_tokens for i in items], dtype=torch.int64)

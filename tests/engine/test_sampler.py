@@ -44,7 +44,7 @@ def test_greedy_rows_pick_argmax() -> None:
     logits = torch.randn(4, 50)  # [rows, vocab]
     requests = [make_request(f"r{i}", temperature=0.0, top_k=3, top_p=0.5) for i in range(4)]
     tokens = Sampler()(logits, requests)
-    assert [t.token_id for t in tokens] == logits.argmax(dim=-1).tolist()
+    assert [t.token_ids[0] for t in tokens] == logits.argmax(dim=-1).tolist()
     assert all(t.logprobs is None for t in tokens)
 
 
@@ -117,7 +117,7 @@ def draws(seed: int, num_draws: int = 64) -> list[int]:
     sampler = Sampler()
     seeded, neighbour = make_request("s", seed=seed), make_request("n")
     logits = torch.zeros(2, 32)  # [rows, vocab]: uniform, so every draw is pure noise
-    return [sampler(logits, [neighbour, seeded])[1].token_id for _ in range(num_draws)]
+    return [sampler(logits, [neighbour, seeded])[1].token_ids[0] for _ in range(num_draws)]
 
 
 def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
@@ -143,7 +143,7 @@ def test_min_tokens_bans_eos_and_stop_tokens(num_output_tokens: int, min_tokens:
     logits = torch.tensor([[9.0, 8.0, 0.0, 7.0, 1.0]])  # [1, vocab]
     request = make_request(num_output_tokens=num_output_tokens, temperature=0.0,
                            min_tokens=min_tokens, stop_token_ids=[1])
-    assert Sampler()(logits, [request])[0].token_id == expected
+    assert Sampler()(logits, [request])[0].token_ids == [expected]
     assert logits[0, EOS] == 9.0  # the caller's logits are not modified
 
 
@@ -172,9 +172,9 @@ def test_sampler_logprobs_are_raw_not_tempered() -> None:
     logits = torch.randn(2, 30)  # [rows, vocab]
     requests = [make_request("t", temperature=0.3, seed=1, logprobs=2), make_request("g")]
     tokens = Sampler()(logits, requests)
-    lp = tokens[0].logprobs
-    assert lp is not None and tokens[1].logprobs is None
+    assert tokens[0].logprobs is not None and tokens[1].logprobs is None
+    lp = tokens[0].logprobs[0]
     expected = torch.log_softmax(logits[0], dim=-1)
-    assert lp.token_id == tokens[0].token_id
+    assert lp.token_id == tokens[0].token_ids[0]
     assert lp.logprob == pytest.approx(float(expected[lp.token_id]), abs=1e-6)
     assert [t for t, _ in lp.top] == expected.topk(2).indices.tolist()
