@@ -64,6 +64,17 @@ def test_greedy_matches_transformers_alone_and_batched(llm, reference, prompts):
             assert got == want, top2_gap_at_mismatch(reference, prompt, got, want)
 
 
+def test_ngram_speculation_keeps_greedy_tokens(llm, prompts):
+    spec = LLM(None, dtype="float32", num_threads=2, max_model_len=1024,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    plain = [o.outputs[0].token_ids for o in llm.generate(requests, greedy)]
+    outs = spec.generate(requests, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 0
+
+
 def test_logprobs_come_from_the_target_distribution(llm, reference, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
     out = llm.generate({"prompt_token_ids": prompts[0]}, params)[0].outputs[0]

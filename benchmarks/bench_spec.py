@@ -1,0 +1,101 @@
+"""Speculation on the embedded model, one run: transformers greedy and prompt lookup, specserve without
+speculation and with n-gram, on the three workloads (greedy, 128 tokens, batch 1, float32).
+
+Prints tokens/s (prompt processing included), τ, and how much of the speedup τ predicts was realised:
+τ is the speedup if a verification pass cost what a plain decode pass costs; realised = measured decode
+speedup over plain / τ (the rest is the extra cost of verifying 1 + k rows and of drafting).
+Run: python -m benchmarks.bench_spec [--max-tokens 128] [--repeats 3] [--threads 2] [--k 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import transformers
+
+from benchmarks.bench_engine import cpu_name
+from benchmarks.workloads import chat_prompts
+from engine import LLM, SamplingParams
+from engine.models.loader import embedded_cache_dir, embedded_gguf_path
+
+
+def run_transformers(model, prompt: list[int], max_tokens: int, lookup: int | None) -> float:
+    extra = {} if lookup is None else {"prompt_lookup_num_tokens": lookup}
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                       do_sample=False, pad_token_id=0, **extra)
+    return max_tokens / (time.perf_counter() - start)
+
+
+def run_engine(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, float, float, list]:
+    """tokens/s end to end, τ over the decode steps, decode tokens/s, token ids."""
+    core = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    core.add_request("bench", prompt, params)
+    core.step()  # prefill (no drafts yet)
+    steps_before, decode_start = core.totals.num_steps, time.perf_counter()
+    updates = []
+    while core.has_unfinished:
+        updates += core.step()
+    end = time.perf_counter()
+    num_decode_tokens = sum(len(u.new_token_ids) for u in updates)
+    tau = num_decode_tokens / (core.totals.num_steps - steps_before)
+    return (max_tokens / (end - start), tau, num_decode_tokens / (end - decode_start),
+            [t for u in updates for t in u.new_token_ids])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--k", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    common = {"dtype": "float32", "num_threads": args.threads, "max_model_len": 4096}
+    plain = LLM(None, **common)
+    ngram = LLM(None, **common, speculative_config={
+        "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        embedded_cache_dir(embedded_gguf_path()), dtype=torch.float32).eval()
+    prompts = chat_prompts(plain.tokenizer)
+    for runner in (lambda p: run_engine(plain, p, 8), lambda p: run_engine(ngram, p, 8),
+                   lambda p: run_transformers(reference, p, 8, None)):
+        runner(prompts["open_chat"])  # warm-up
+    print(f"CPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__}, float32, greedy, "
+          f"{args.max_tokens} tokens, batch 1, k={args.k}; tokens/s include prompt processing\n")
+    header = ("workload", "hf greedy", "hf lookup", "plain", "ngram", "tau", "vs hf",
+              "vs plain", "decode x", "realised", "same")
+    print("{:<13}{:>10}{:>10}{:>8}{:>8}{:>6}{:>7}{:>9}{:>10}{:>9}{:>6}".format(*header))
+    for name, prompt in prompts.items():
+        rows = {"hf": [], "lookup": [], "plain": [], "ngram": [], "tau": [], "decode_plain": [],
+                "decode_spec": []}
+        same = True
+        for _ in range(args.repeats):  # interleaved, prompt by prompt
+            rows["hf"].append(run_transformers(reference, prompt, args.max_tokens, None))
+            rows["lookup"].append(run_transformers(reference, prompt, args.max_tokens, args.k))
+            rate, _, decode_rate, plain_ids = run_engine(plain, prompt, args.max_tokens)
+            rows["plain"].append(rate)
+            rows["decode_plain"].append(decode_rate)
+            rate, tau, decode_rate, spec_ids = run_engine(ngram, prompt, args.max_tokens)
+            rows["ngram"].append(rate)
+            rows["tau"].append(tau)
+            rows["decode_spec"].append(decode_rate)
+            same &= plain_ids == spec_ids
+        m = {key: statistics.median(values) for key, values in rows.items()}
+        decode_speedup = m["decode_spec"] / m["decode_plain"]
+        print(f"{name:<13}{m['hf']:>10.1f}{m['lookup']:>10.1f}{m['plain']:>8.1f}{m['ngram']:>8.1f}"
+              f"{m['tau']:>6.2f}{m['ngram'] / m['hf']:>6.2f}x{m['ngram'] / m['plain']:>8.2f}x"
+              f"{decode_speedup:>9.2f}x{decode_speedup / m['tau']:>8.0%}{str(same):>6}")
+    print("\ndecode x = ngram decode tokens/s over plain (prompt processing excluded); "
+          "realised = decode x / tau")
+
+
+if __name__ == "__main__":
+    main()
