@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("--speculative-config", default=None,
+                     help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     gen.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
 
@@ -34,18 +36,21 @@ def run_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
     llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              num_threads=args.num_threads)
+              num_threads=args.num_threads, speculative_config=args.speculative_config)
     start = time.perf_counter()
-    output = llm.chat([{"role": "user", "content": args.message}], params)[0].outputs[0]
+    result = llm.chat([{"role": "user", "content": args.message}], params)[0]
+    output = result.outputs[0]
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps({"text": output.text, "token_ids": output.token_ids,
-                          "finish_reason": output.finish_reason, "seconds": seconds}))
+                          "finish_reason": output.finish_reason, "seconds": seconds,
+                          "speculative_decoding": result.spec_stats.as_dict()}))
     else:
         print(output.text)
+        tau = result.spec_stats.mean_acceptance_length
         print(f"[{len(output.token_ids)} tokens in {seconds:.2f} s, "
-              f"{len(output.token_ids) / seconds:.1f} tokens/s, finish: {output.finish_reason}]",
-              file=sys.stderr)
+              f"{len(output.token_ids) / seconds:.1f} tokens/s, tau {tau:.2f}, "
+              f"finish: {output.finish_reason}]", file=sys.stderr)
     return 0
 
 
