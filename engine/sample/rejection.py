@@ -61,6 +61,10 @@ class RejectionSampler:
                 bonus_ids.append(exponential_race(probs[rows.stop - 1], request.generator))
             draft_ids += request.draft_token_ids[:k]
             draft_q.append(None if request.draft_probs is None else request.draft_probs[:k])
+            if request.params.is_greedy:  # greedy acceptance and recovery use no random numbers
+                uniforms.append(torch.zeros(k))
+                noises.append(torch.ones(k, vocab))
+                continue
             uniforms.append(torch.rand(k, generator=request.generator))
             noise = torch.empty(k, vocab).exponential_(generator=request.generator)
             noises.append(noise.clamp_min_(torch.finfo(noise.dtype).tiny))  # kernels need > 0
