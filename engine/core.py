@@ -34,7 +34,7 @@ class EngineCore:
         self.sampler = RejectionSampler()
         self.speculative_config = speculative_config
         self.proposer: Proposer | None = (
-            None if speculative_config is None else build_proposer(speculative_config))
+            None if speculative_config is None else build_proposer(speculative_config, self.worker))
         self.eos_token_ids = frozenset(self.worker.arch.eos_token_ids)
         self.totals = EngineTotals()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 METHODS = ("ngram", "draft_model", "eagle", "mlp_speculator", "suffix")
 # methods whose proposer exists in this build
-BUILT_METHODS = ("ngram",)
+BUILT_METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -40,6 +40,9 @@ class SpeculativeConfig:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method "draft_model" needs "model": a local folder or '
+                             '.gguf file of a smaller model with the same tokenizer')
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -61,7 +64,7 @@ class SpeculativeConfig:
         for required in ("method", "num_speculative_tokens"):
             if required not in value:
                 raise ValueError(f"speculative config needs {required!r}")
-        for key, expected in (("method", str), ("num_speculative_tokens", int),
+        for key, expected in (("method", str), ("num_speculative_tokens", int), ("model", str),
                               ("prompt_lookup_min", int), ("prompt_lookup_max", int)):
             if key in value and (not isinstance(value[key], expected)
                                  or isinstance(value[key], bool)):

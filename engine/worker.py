@@ -10,8 +10,7 @@ import torch
 from engine.config import CacheConfig, KVCacheSpec, ModelConfig
 from engine.input_batch import build_model_inputs
 from engine.models.arch import LlamaArch
-from engine.models.cpu_linear import optimize_linears_for_cpu
-from engine.models.llama import LlamaForCausalLM
+from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
 from engine.scheduler import SchedulerOutput
 
@@ -34,25 +33,10 @@ class Worker:
         self.tokenizer = checkpoint.tokenizer
         self.hf_config = checkpoint.hf_config
         self.arch = LlamaArch.from_hf_config(checkpoint.hf_config)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(self.arch)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the reference
-        model.rotary.inv_freq = torch.tensor(self.arch.rope_inv_freq, dtype=torch.float32,
-                                             device=self.device)
-        model.load_weights(checkpoint.weights)
-        if self.arch.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        self.linear_backend = "torch"
-        if self.device.type == "cpu":
-            self.linear_backend = optimize_linears_for_cpu(model)
-        self.model = model.eval()
+        self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device)
         self.kv_spec = self._size_kv_cache(model_config, cache_config)
-        self.kv_caches = [
-            torch.zeros(2, self.arch.num_kv_heads, self.kv_spec.num_blocks, self.kv_spec.block_size,
-                        self.arch.head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(self.arch.num_layers)
-        ]  # per layer: [2, num_kv_heads, num_blocks, block_size, head_dim]
+        self.kv_caches = allocate_kv_cache(self.arch, self.kv_spec.num_blocks,
+                                           self.kv_spec.block_size, self.dtype, self.device)
         logger.info("loaded %s: %d layers, %s on %s (%s matmuls); KV cache %d blocks x %d tokens",
                     checkpoint.source, self.arch.num_layers, self.dtype, self.device,
                     self.linear_backend,

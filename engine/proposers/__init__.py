@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.proposers.base import DraftProposal, Proposer
 from engine.spec_config import SpeculativeConfig
 
+if TYPE_CHECKING:
+    from engine.worker import Worker
 
-def build_proposer(config: SpeculativeConfig) -> Proposer:
+
+def build_proposer(config: SpeculativeConfig, worker: Worker) -> Proposer:
+    """The proposer for `config`; model-based ones share the target's dtype, device and KV sizing."""
     if config.method == "ngram":
         from engine.proposers.ngram import NgramProposer
 
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        from engine.proposers.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config.model, worker.dtype, worker.device,
+                                  worker.kv_spec.num_blocks, worker.kv_spec.block_size,
+                                  worker.arch.vocab_size)
     raise ValueError(f"speculative method {config.method!r} is not built yet")
 
 

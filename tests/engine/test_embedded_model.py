@@ -75,6 +75,21 @@ def test_ngram_speculation_keeps_greedy_tokens(llm, prompts):
     assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 0
 
 
+def test_draft_model_proposer_on_the_real_model(llm, prompts):
+    """The target as its own draft: every draft is accepted, so the draft's own paged KV and its
+    rollback bookkeeping are right on the real model, and greedy tokens are unchanged."""
+    draft = embedded_cache_dir(embedded_gguf_path())
+    spec = LLM(None, dtype="float32", num_threads=2, max_model_len=1024,
+               speculative_config={"method": "draft_model", "model": draft,
+                                   "num_speculative_tokens": 3})
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts[:2]]
+    plain = [o.outputs[0].token_ids for o in llm.generate(requests, greedy)]
+    outs = spec.generate(requests, greedy)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert all(o.spec_stats.draft_acceptance_rate == 1.0 for o in outs)
+
+
 def test_logprobs_come_from_the_target_distribution(llm, reference, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
     out = llm.generate({"prompt_token_ids": prompts[0]}, params)[0].outputs[0]

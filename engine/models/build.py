@@ -1,0 +1,33 @@
+"""From a loaded checkpoint to a ready module, and its paged KV cache: shared by target and draft."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.models.arch import LlamaArch
+from engine.models.cpu_linear import optimize_linears_for_cpu
+from engine.models.llama import LlamaForCausalLM
+from engine.models.loader import Checkpoint
+
+
+def build_model(checkpoint: Checkpoint, dtype: torch.dtype,
+                device: torch.device) -> tuple[LlamaForCausalLM, str]:
+    """The module in eval mode on `device`, and the name of the matmul backend it uses."""
+    arch = LlamaArch.from_hf_config(checkpoint.hf_config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch)
+    model = model.to_empty(device=device).to(dtype)
+    # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the reference
+    model.rotary.inv_freq = torch.tensor(arch.rope_inv_freq, dtype=torch.float32, device=device)
+    model.load_weights(checkpoint.weights)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    backend = optimize_linears_for_cpu(model) if device.type == "cpu" else "torch"
+    return model.eval(), backend
+
+
+def allocate_kv_cache(arch: LlamaArch, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[torch.Tensor]:
+    """Per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (engine/attention.py)."""
+    return [torch.zeros(2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim, dtype=dtype,
+                        device=device) for _ in range(arch.num_layers)]
