@@ -126,6 +126,12 @@ class Scheduler:
             request = self.running[index]
             item = self._plan(request, budget)
             total = request.num_computed_tokens + item.num_new_tokens
+            if item.num_draft_tokens and not self.block_manager.can_allocate(request.request_id,
+                                                                               total):
+                # NOTE: speculation never costs a preemption: drop this step's drafts first
+                request.draft_token_ids, request.draft_probs = [], None
+                item = self._plan(request, budget)
+                total = request.num_computed_tokens + item.num_new_tokens
             while not self.block_manager.can_allocate(request.request_id, total):
                 victim = self.running.pop()
                 self._preempt(victim)

@@ -127,3 +127,20 @@ def _two_sample_chi2(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
     expected_a, expected_b = total * a.sum() / total.sum(), total * b.sum() / total.sum()
     chi2 = ((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum()
     return float(chi2), int(keep.sum()) - 1
+
+
+def test_drafts_are_dropped_before_anyone_is_preempted(checkpoint):
+    """With the pool nearly full, a request's drafts go before another request's KV does."""
+    from engine.request import Request
+    from engine.scheduler import SampledTokens
+
+    llm = LLM(checkpoint, dtype="float64", max_model_len=16, num_kv_blocks=4, block_size=4)
+    scheduler = llm.engine.scheduler
+    for request_id in ("a", "b"):
+        scheduler.add_request(Request(request_id, [1, 2, 3, 4, 5, 6, 7], greedy(), frozenset()))
+    first = scheduler.schedule()  # both prefill: 2 blocks each, the pool is full
+    scheduler.commit(first, [SampledTokens([9]), SampledTokens([9])])
+    scheduler.running[0].draft_token_ids = [1, 2, 3, 4]  # would need a third block for "a"
+    second = scheduler.schedule()
+    assert second.preempted_ids == []
+    assert [item.num_draft_tokens for item in second.scheduled] == [0, 0]
