@@ -144,3 +144,19 @@ def test_drafts_are_dropped_before_anyone_is_preempted(checkpoint):
     second = scheduler.schedule()
     assert second.preempted_ids == []
     assert [item.num_draft_tokens for item in second.scheduled] == [0, 0]
+
+
+def test_logprobs_with_speculation_come_from_the_target(checkpoint):
+    """Each emitted token's logprob is the target's at its own position, accepted draft or not."""
+    params = greedy(logprobs=2)
+    plain = LLM(checkpoint, dtype="float64", max_model_len=128, num_kv_blocks=64)
+    spec = LLM(checkpoint, dtype="float64", max_model_len=128, num_kv_blocks=64,
+               speculative_config=NGRAM)
+    want = plain.generate({"prompt_token_ids": PROMPTS[3]}, params)[0].outputs[0]
+    got = spec.generate({"prompt_token_ids": PROMPTS[3]}, params)[0]
+    assert got.spec_stats.num_accepted_draft_tokens > 0
+    assert got.outputs[0].token_ids == want.token_ids
+    for mine, theirs in zip(got.outputs[0].logprobs, want.logprobs, strict=True):
+        assert mine.token_id == theirs.token_id and mine.rank == theirs.rank == 1
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-9)
+        assert [t for t, _ in mine.top] == [t for t, _ in theirs.top]
