@@ -1,22 +1,25 @@
 """Speculation on the embedded model, one run: transformers greedy and prompt lookup, specserve without
-speculation and with n-gram, on the three workloads (greedy, 128 tokens, batch 1, float32).
+speculation, with n-gram and with a draft model, on the three workloads (greedy, 128 tokens, batch 1,
+float32). The draft defaults to a layer-skip cut of the target (benchmarks/make_draft.py).
 
 Prints tokens/s (prompt processing included), τ, and how much of the speedup τ predicts was realised:
 τ is the speedup if a verification pass cost what a plain decode pass costs; realised = measured decode
 speedup over plain / τ (the rest is the extra cost of verifying 1 + k rows and of drafting).
-Run: python -m benchmarks.bench_spec [--max-tokens 128] [--repeats 3] [--threads 2] [--k 5]
+Run: python -m benchmarks.bench_spec [--max-tokens 128] [--repeats 3] [--threads 2] [--k 5] [--draft DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
 import transformers
 
 from benchmarks.bench_engine import cpu_name
+from benchmarks.make_draft import make_layer_skip_draft
 from benchmarks.workloads import chat_prompts
 from engine import LLM, SamplingParams
 from engine.models.loader import embedded_cache_dir, embedded_gguf_path
@@ -55,27 +58,33 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k", type=int, default=5)
+    parser.add_argument("--draft-k", type=int, default=3)
+    parser.add_argument("--draft", default=None, help="draft model folder (default: layer-skip)")
     args = parser.parse_args()
+    draft = args.draft or make_layer_skip_draft(4, 2, tempfile.mkdtemp(prefix="specserve-draft-"))
     torch.set_num_threads(args.threads)
     common = {"dtype": "float32", "num_threads": args.threads, "max_model_len": 4096}
     plain = LLM(None, **common)
     ngram = LLM(None, **common, speculative_config={
         "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4})
+    drafted = LLM(None, **common, speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": args.draft_k})
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         embedded_cache_dir(embedded_gguf_path()), dtype=torch.float32).eval()
     prompts = chat_prompts(plain.tokenizer)
     for runner in (lambda p: run_engine(plain, p, 8), lambda p: run_engine(ngram, p, 8),
+                   lambda p: run_engine(drafted, p, 8),
                    lambda p: run_transformers(reference, p, 8, None)):
         runner(prompts["open_chat"])  # warm-up
     print(f"CPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__}, float32, greedy, "
           f"{args.max_tokens} tokens, batch 1, k={args.k}; tokens/s include prompt processing\n")
     header = ("workload", "hf greedy", "hf lookup", "plain", "ngram", "tau", "vs hf",
-              "vs plain", "decode x", "realised", "same")
-    print("{:<13}{:>10}{:>10}{:>8}{:>8}{:>6}{:>7}{:>9}{:>10}{:>9}{:>6}".format(*header))
+              "vs plain", "decode x", "realised", "draft", "tau", "same")
+    print("{:<13}{:>10}{:>10}{:>8}{:>8}{:>6}{:>7}{:>9}{:>10}{:>9}{:>7}{:>6}{:>6}".format(*header))
     for name, prompt in prompts.items():
         rows = {"hf": [], "lookup": [], "plain": [], "ngram": [], "tau": [], "decode_plain": [],
-                "decode_spec": []}
+                "decode_spec": [], "draft": [], "tau_draft": []}
         same = True
         for _ in range(args.repeats):  # interleaved, prompt by prompt
             rows["hf"].append(run_transformers(reference, prompt, args.max_tokens, None))
@@ -87,14 +96,19 @@ def main() -> None:
             rows["ngram"].append(rate)
             rows["tau"].append(tau)
             rows["decode_spec"].append(decode_rate)
-            same &= plain_ids == spec_ids
+            rate, tau, _, draft_ids = run_engine(drafted, prompt, args.max_tokens)
+            rows["draft"].append(rate)
+            rows["tau_draft"].append(tau)
+            same &= plain_ids == spec_ids == draft_ids
         m = {key: statistics.median(values) for key, values in rows.items()}
         decode_speedup = m["decode_spec"] / m["decode_plain"]
         print(f"{name:<13}{m['hf']:>10.1f}{m['lookup']:>10.1f}{m['plain']:>8.1f}{m['ngram']:>8.1f}"
               f"{m['tau']:>6.2f}{m['ngram'] / m['hf']:>6.2f}x{m['ngram'] / m['plain']:>8.2f}x"
-              f"{decode_speedup:>9.2f}x{decode_speedup / m['tau']:>8.0%}{str(same):>6}")
+              f"{decode_speedup:>9.2f}x{decode_speedup / m['tau']:>8.0%}{m['draft']:>7.1f}"
+              f"{m['tau_draft']:>6.2f}{str(same):>6}")
     print("\ndecode x = ngram decode tokens/s over plain (prompt processing excluded); "
-          "realised = decode x / tau")
+          "realised = decode x / tau; draft = draft_model tokens/s and its tau; same = greedy "
+          "tokens identical across plain, ngram and draft")
 
 
 if __name__ == "__main__":
