@@ -10,7 +10,7 @@ from engine.proposers import Proposer, build_proposer
 from engine.request import Request
 from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate, Scheduler
+from engine.scheduler import RequestUpdate, ScheduledRequest, Scheduler
 from engine.spec_config import SpeculativeConfig
 from engine.worker import Worker
 
@@ -66,26 +66,33 @@ class EngineCore:
         out = self.worker.execute(scheduled, self.scheduler.block_manager)
         sampled = self.sampler(out.logits, scheduled.sampling)
         updates = self.scheduler.commit(scheduled, sampled)
-        proposed = time.perf_counter()
-        self._propose_drafts()
-        self._account(start, proposed, updates)
+        verified = time.perf_counter()
+        drafted_for = self._propose_drafts()
+        self._account(scheduled.sampling, drafted_for, start, verified, updates)
         return updates
 
-    def _propose_drafts(self) -> None:
-        """Drafts for the NEXT step, from the tokens just committed (so the scheduler can budget them)."""
+    def _propose_drafts(self) -> list[Request]:
+        """Drafts for the NEXT step, from the tokens just committed (so the scheduler can budget them);
+        returns the requests drafted for."""
         if self.proposer is None:
-            return
+            return []
         requests = self.scheduler.decoding
         k = self.speculative_config.num_speculative_tokens
         caps = [self.scheduler.draft_budget(r, k) for r in requests]
         for request, proposal in zip(requests, self.proposer.propose(requests, caps, None)):
             request.draft_token_ids, request.draft_probs = proposal.token_ids, proposal.probs
+        return [r for r, cap in zip(requests, caps) if cap > 0]
 
-    def _account(self, start: float, proposed: float, updates: list[RequestUpdate]) -> None:
+    def _account(self, verified_items: list[ScheduledRequest], drafted_for: list[Request], start: float,
+                 verified: float, updates: list[RequestUpdate]) -> None:
         now = time.perf_counter()
         self.totals.num_steps += 1
-        self.totals.verify_seconds += proposed - start
-        self.totals.draft_seconds += now - proposed
+        self.totals.verify_seconds += verified - start
+        self.totals.draft_seconds += now - verified
+        for item in verified_items:
+            item.request.spec_stats.verify_seconds += verified - start
+        for request in drafted_for:
+            request.spec_stats.draft_seconds += now - verified
         self._free_proposer_state(updates)
 
     def _free_proposer_state(self, updates: list[RequestUpdate]) -> None:

@@ -24,6 +24,10 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     # acceptance_histogram[a]: spec steps that accepted exactly a drafts
     acceptance_histogram: list[int] = field(default_factory=list)
+    # wall-clock seconds of the steps this request took part in: target pass + verification, and
+    # drafting for it (batched work counts in full for every request it served)
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
 
     def observe(self, num_draft_tokens: int, num_accepted: int, num_emitted: int) -> None:
         """Record one target pass: `num_draft_tokens` verified, a prefix of `num_accepted` kept."""
@@ -60,7 +64,8 @@ class SpecStats:
         total = cls()
         for part in parts:
             for name in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens",
-                         "num_target_passes", "num_emitted_tokens"):
+                         "num_target_passes", "num_emitted_tokens", "verify_seconds",
+                         "draft_seconds"):
                 setattr(total, name, getattr(total, name) + getattr(part, name))
             for mine, theirs in ((total.accepted_per_position, part.accepted_per_position),
                                  (total.acceptance_histogram, part.acceptance_histogram)):
@@ -79,6 +84,8 @@ class SpecStats:
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_histogram": list(self.acceptance_histogram),
             "accepted_per_position": list(self.accepted_per_position),
+            "verify_seconds": self.verify_seconds,
+            "draft_seconds": self.draft_seconds,
         }
 
 

@@ -86,6 +86,7 @@ def test_spec_stats_add_up(checkpoint):
     assert sum(a * n for a, n in enumerate(stats.acceptance_histogram)) == \
         stats.num_accepted_draft_tokens == sum(stats.accepted_per_position)
     assert 1.0 <= stats.mean_acceptance_length <= 5.0
+    assert stats.verify_seconds > 0 and stats.draft_seconds > 0
 
 
 def test_stop_inside_an_accepted_block_drops_the_rest(checkpoint, expected):
