@@ -42,10 +42,14 @@ class OneDNNLinear(nn.Module):
 
 
 def optimize_linears_for_cpu(model: nn.Module) -> str:
-    """Swap every Linear of a float32 CPU model for the fastest layout available; returns its name."""
+    """Give every Linear of a float32 CPU model the fastest layout available; returns its name.
+
+    Other dtypes keep torch's row-major layout: for bf16 and fp16 the transposed one is ~20x slower.
+    """
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    is_fp32 = all(m.weight.dtype == torch.float32 for _, m in linears)
-    if is_fp32 and onednn_linear_available():
+    if not all(m.weight.dtype == torch.float32 for _, m in linears):
+        return "torch"
+    if onednn_linear_available():
         for name, module in linears:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, OneDNNLinear(module))
