@@ -166,6 +166,8 @@ class LLM:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"])
+            if "prompt" not in prompt:
+                raise ValueError('a prompt dict needs "prompt" (text) or "prompt_token_ids"')
             prompt = prompt["prompt"]
         if isinstance(prompt, str):
             return self._require_tokenizer().encode(prompt)

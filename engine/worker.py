@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.block_manager import BlockManager
 from engine.config import CacheConfig, KVCacheSpec, ModelConfig
 from engine.input_batch import build_model_inputs
 from engine.models.arch import LlamaArch
@@ -59,7 +60,7 @@ class Worker:
         return KVCacheSpec(num_blocks, cache_config.block_size, max_model_len, bytes_per_token)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, block_manager) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, block_manager: BlockManager) -> ModelRunnerOutput:
         inputs = build_model_inputs(output, block_manager, self.arch.sliding_window, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]

@@ -42,6 +42,7 @@ def test_unsupported_architecture_is_named(tmp_path):
     ({"prompt_token_ids": []}, "at least one token"),
     ({"prompt_token_ids": [1, 10_000]}, "token ids must be in"),
     ("text needs a tokenizer", "no tokenizer"),
+    ({"text": "misnamed key"}, "needs \"prompt\""),
 ])
 def test_bad_prompts_are_rejected_and_leave_nothing_behind(llm, prompt, message):
     good = {"prompt_token_ids": [1, 2, 3]}
