@@ -3,64 +3,51 @@
 Both load the same embedded weights in float32 with the same thread count; configurations are
 interleaved prompt by prompt after a warm-up, and medians over repeats are printed with their ratio.
 Run: python -m benchmarks.bench_engine [--max-tokens 128] [--repeats 3] [--threads 2]
+     [--model PATH --device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
-import transformers
 
+from benchmarks.common import (
+    add_model_args,
+    engine_kwargs,
+    hardware_name,
+    load_reference,
+    synchronize,
+    time_transformers,
+)
 from benchmarks.workloads import chat_prompts
 from engine import LLM, SamplingParams
-from engine.models.loader import embedded_cache_dir, embedded_gguf_path
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def time_engine(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    synchronize(str(llm.engine.worker.device))
     seconds = time.perf_counter() - start
     return seconds, sum(len(o.outputs[0].token_ids) for o in outs)
-
-
-def time_transformers(model, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
-    return time.perf_counter() - start, out[0, len(prompt):].tolist()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch-sizes", default="1,4,16")
+    add_model_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    llm = LLM(None, dtype="float32", num_threads=args.threads, max_model_len=4096)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        embedded_cache_dir(embedded_gguf_path()), dtype=torch.float32).eval()
+    llm = LLM(args.model, **engine_kwargs(args))
+    reference = load_reference(args)
     prompts = chat_prompts(llm.tokenizer)
-    print(f"CPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__}, float32, "
+    print(f"{hardware_name(args)}, torch {torch.__version__}, {args.dtype}, "
           f"greedy, {args.max_tokens} tokens, batch 1; tokens/s include prompt processing")
 
     # ---- warm-up: first calls pay for allocator and kernel-selection costs ----

@@ -6,6 +6,7 @@ Prints tokens/s (prompt processing included), τ, and how much of the speedup τ
 τ is the speedup if a verification pass cost what a plain decode pass costs; realised = measured decode
 speedup over plain / τ (the rest is the extra cost of verifying 1 + k rows and of drafting).
 Run: python -m benchmarks.bench_spec [--max-tokens 128] [--repeats 3] [--threads 2] [--k 5] [--draft DIR]
+     [--model PATH --device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -16,22 +17,22 @@ import tempfile
 import time
 
 import torch
-import transformers
 
-from benchmarks.bench_engine import cpu_name
+from benchmarks.common import (
+    add_model_args,
+    engine_kwargs,
+    hardware_name,
+    load_reference,
+    synchronize,
+    time_transformers,
+)
 from benchmarks.make_draft import make_layer_skip_draft
 from benchmarks.workloads import chat_prompts
 from engine import LLM, SamplingParams
-from engine.models.loader import embedded_cache_dir, embedded_gguf_path
 
 
 def run_transformers(model, prompt: list[int], max_tokens: int, lookup: int | None) -> float:
-    extra = {} if lookup is None else {"prompt_lookup_num_tokens": lookup}
-    start = time.perf_counter()
-    with torch.no_grad():
-        model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                       do_sample=False, pad_token_id=0, **extra)
-    return max_tokens / (time.perf_counter() - start)
+    return max_tokens / time_transformers(model, prompt, max_tokens, lookup)[0]
 
 
 def run_engine(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, float, float, list]:
@@ -45,6 +46,7 @@ def run_engine(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, flo
     updates = []
     while core.has_unfinished:
         updates += core.step()
+    synchronize(str(core.worker.device))
     end = time.perf_counter()
     num_decode_tokens = sum(len(u.new_token_ids) for u in updates)
     tau = num_decode_tokens / (core.totals.num_steps - steps_before)
@@ -56,33 +58,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--draft-k", type=int, default=3)
     parser.add_argument("--draft", default=None, help="draft model folder (default: layer-skip)")
+    parser.add_argument("--workloads", default="code_editing,extraction,open_chat")
+    add_model_args(parser)
     args = parser.parse_args()
-    draft = args.draft or make_layer_skip_draft(4, 2, tempfile.mkdtemp(prefix="specserve-draft-"))
+    draft = args.draft or make_layer_skip_draft(4, 2, tempfile.mkdtemp(prefix="specserve-draft-"),
+                                                args.model)
     torch.set_num_threads(args.threads)
-    common = {"dtype": "float32", "num_threads": args.threads, "max_model_len": 4096}
-    plain = LLM(None, **common)
-    ngram = LLM(None, **common, speculative_config={
+    common = engine_kwargs(args)
+    plain = LLM(args.model, **common)
+    ngram = LLM(args.model, **common, speculative_config={
         "method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4})
-    drafted = LLM(None, **common, speculative_config={
+    drafted = LLM(args.model, **common, speculative_config={
         "method": "draft_model", "model": draft, "num_speculative_tokens": args.draft_k})
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        embedded_cache_dir(embedded_gguf_path()), dtype=torch.float32).eval()
+    reference = load_reference(args)
     prompts = chat_prompts(plain.tokenizer)
     for runner in (lambda p: run_engine(plain, p, 8), lambda p: run_engine(ngram, p, 8),
                    lambda p: run_engine(drafted, p, 8),
                    lambda p: run_transformers(reference, p, 8, None)):
         runner(prompts["open_chat"])  # warm-up
-    print(f"CPU: {cpu_name()}, {args.threads} threads, torch {torch.__version__}, float32, greedy, "
+    print(f"{hardware_name(args)}, torch {torch.__version__}, {args.dtype}, greedy, "
           f"{args.max_tokens} tokens, batch 1, k={args.k}; tokens/s include prompt processing\n")
     header = ("workload", "hf greedy", "hf lookup", "plain", "ngram", "tau", "vs hf",
               "vs plain", "decode x", "realised", "draft", "tau", "same")
     print("{:<13}{:>10}{:>10}{:>8}{:>8}{:>6}{:>7}{:>9}{:>10}{:>9}{:>7}{:>6}{:>6}".format(*header))
-    for name, prompt in prompts.items():
+    for name in args.workloads.split(","):
+        prompt = prompts[name]
         rows = {"hf": [], "lookup": [], "plain": [], "ngram": [], "tau": [], "decode_plain": [],
                 "decode_spec": [], "draft": [], "tau_draft": []}
         same = True

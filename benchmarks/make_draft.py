@@ -17,9 +17,10 @@ from safetensors.torch import save_file
 from engine.models.loader import load_checkpoint
 
 
-def make_layer_skip_draft(num_first: int, num_last: int, out_dir: str) -> str:
-    """Keep the first `num_first` and the last `num_last` decoder layers, renumbered in order."""
-    checkpoint = load_checkpoint(None, torch.float32)
+def make_layer_skip_draft(num_first: int, num_last: int, out_dir: str, model: str | None = None) -> str:
+    """Keep the first `num_first` and the last `num_last` decoder layers of `model` (default: the
+    embedded one), renumbered in order."""
+    checkpoint = load_checkpoint(model, torch.float32)
     total = checkpoint.hf_config.num_hidden_layers
     if num_first < 0 or num_last < 0 or not 1 <= num_first + num_last < total:
         raise ValueError(f"keep between 1 and {total - 1} of the {total} layers")

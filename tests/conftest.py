@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 # NOTE: Triton decorates its own library functions when it is first imported, and reads
 # TRITON_INTERPRET then; transformers may import it during collection of any test module. The engine
 # never launches Triton on the CPU, so interpreting for the whole session only affects kernel tests.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# On a GPU the engine does launch it, compiled (tests/cuda).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 from tiny_models import build_tiny_checkpoint
