@@ -6,11 +6,12 @@ import time
 from dataclasses import dataclass
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.messages import StepStats
 from engine.proposers import Proposer, build_proposer
 from engine.request import Request
 from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate, ScheduledRequest, Scheduler
+from engine.scheduler import RequestUpdate, SampledTokens, ScheduledRequest, Scheduler
 from engine.spec_config import SpeculativeConfig
 from engine.worker import Worker
 
@@ -37,6 +38,8 @@ class EngineCore:
             None if speculative_config is None else build_proposer(speculative_config, self.worker))
         self.eos_token_ids = frozenset(self.worker.arch.eos_token_ids)
         self.totals = EngineTotals()
+        # what the last step did, for the metrics exporter
+        self.last_step_stats = StepStats()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
@@ -63,12 +66,18 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
+        num_prompt_tokens = sum(max(0, min(item.num_known_tokens,
+                                           item.request.num_prompt_tokens
+                                           - item.request.num_computed_tokens))
+                                for item in scheduled.scheduled)
         out = self.worker.execute(scheduled, self.scheduler.block_manager)
         sampled = self.sampler(out.logits, scheduled.sampling)
         updates = self.scheduler.commit(scheduled, sampled)
         verified = time.perf_counter()
         drafted_for = self._propose_drafts()
         self._account(scheduled.sampling, drafted_for, start, verified, updates)
+        self.last_step_stats = self._step_stats(scheduled.sampling, sampled, updates,
+                                                num_prompt_tokens, start, verified)
         return updates
 
     def _propose_drafts(self) -> list[Request]:
@@ -94,6 +103,32 @@ class EngineCore:
         for request in drafted_for:
             request.spec_stats.draft_seconds += now - verified
         self._free_proposer_state(updates)
+
+    def _step_stats(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
+                    updates: list[RequestUpdate], num_prompt_tokens: int, start: float,
+                    verified: float) -> StepStats:
+        scheduler = self.scheduler
+        pool = scheduler.block_manager
+        stats = StepStats(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+            kv_cache_usage=1.0 - pool.num_free_blocks / pool.num_blocks,
+            num_preemptions=scheduler.num_preemptions, num_prompt_tokens=num_prompt_tokens,
+            num_generation_tokens=sum(len(u.new_token_ids) for u in updates),
+            verify_seconds=verified - start, draft_seconds=time.perf_counter() - verified)
+        for item, kept in zip(items, sampled):
+            if not item.num_draft_tokens:
+                continue
+            num_accepted = len(kept.token_ids) - 1
+            stats.num_drafts += 1
+            stats.num_draft_tokens += item.num_draft_tokens
+            stats.num_accepted_tokens += num_accepted
+            stats.accepted_lengths.append(num_accepted)
+            if len(stats.accepted_per_position) < item.num_draft_tokens:
+                stats.accepted_per_position += [0] * (item.num_draft_tokens
+                                                      - len(stats.accepted_per_position))
+            for position in range(num_accepted):
+                stats.accepted_per_position[position] += 1
+        return stats
 
     def _free_proposer_state(self, updates: list[RequestUpdate]) -> None:
         if self.proposer is not None:

@@ -9,11 +9,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.core import EngineCore
-from engine.detokenizer import IncrementalDetokenizer
+from engine.engine_args import EngineArgs
+from engine.output_processor import CompletionTracker
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestUpdate
 from engine.spec_config import SpeculativeConfig
@@ -24,25 +23,18 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
-                 max_model_len: int | None = None, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, block_size: int = 16,
-                 kv_cache_memory_gib: float = 1.0, num_kv_blocks: int | None = None,
-                 num_threads: int | None = None,
-                 speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None,
-                 ) -> None:
-        if speculative_config is not None and not isinstance(speculative_config,
-                                                             SpeculativeConfig):
-            speculative_config = SpeculativeConfig.from_json(speculative_config)
-        self.engine = EngineCore(
-            ModelConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
-                        num_threads=num_threads),
-            CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory_gib,
-                        num_blocks=num_kv_blocks),
-            SchedulerConfig(max_num_seqs=max_num_seqs,
-                            max_num_batched_tokens=max_num_batched_tokens),
-            speculative_config,
-        )
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """Keywords are EngineArgs' (engine/engine_args.py): dtype, device, max_model_len,
+        max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_gib, num_kv_blocks,
+        num_threads, speculative_config."""
+        speculative_config = engine_args.pop("speculative_config", None)
+        if isinstance(speculative_config, SpeculativeConfig):
+            args = EngineArgs(model=model, **engine_args)
+            configs = (*args.configs()[:3], speculative_config)
+        else:
+            args = EngineArgs(model=model, speculative_config=speculative_config, **engine_args)
+            configs = args.configs()
+        self.engine = EngineCore(*configs)
         self.tokenizer = self.engine.worker.tokenizer
         self._request_counter = itertools.count()
 
@@ -80,7 +72,7 @@ class LLM:
     def _run(self, prompts: Sequence[PromptType], token_lists: list[list[int]],
              params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput] = []
-        trackers: dict[str, tuple[CompletionOutput, IncrementalDetokenizer | None]] = {}
+        trackers: dict[str, tuple[CompletionOutput, CompletionTracker]] = {}
         try:
             for prompt, token_ids, params in zip(prompts, token_lists, params_list):
                 result = RequestOutput(str(next(self._request_counter)),
@@ -93,7 +85,8 @@ class LLM:
                     completion = CompletionOutput(index, "", [],
                                                   logprobs=[] if params.logprobs is not None else None)
                     result.outputs.append(completion)
-                    trackers[child_id] = (completion, self._detokenizer(token_ids, child_params))
+                    trackers[child_id] = (completion,
+                                          CompletionTracker(self.tokenizer, token_ids, child_params))
         except Exception:
             self.engine.abort(list(trackers))
             raise
@@ -110,40 +103,21 @@ class LLM:
         return results
 
     def _apply(self, update: RequestUpdate,
-               trackers: dict[str, tuple[CompletionOutput, IncrementalDetokenizer | None]]) -> bool:
+               trackers: dict[str, tuple[CompletionOutput, CompletionTracker]]) -> bool:
         """Fold one engine update into its completion; True when that completion just finished."""
-        completion, detok = trackers[update.request_id]
-        if update.spec_stats is not None:
-            completion.spec_stats = update.spec_stats
-        if completion.finish_reason is not None:
-            return False  # already ended here by a stop string; this is the engine's abort echo
-        completion.token_ids += update.new_token_ids
-        if completion.logprobs is not None and update.new_logprobs:
-            completion.logprobs += update.new_logprobs
-        if detok is not None:
-            detok.update(update.new_token_ids)
-            completion.text = detok.text
-            if detok.matched_stop is not None and update.finish_reason is None:
-                self.engine.abort([update.request_id])
-                completion.finish_reason, completion.stop_reason = "stop", detok.matched_stop
-                return True
-        if update.finish_reason is not None:
-            completion.finish_reason = update.finish_reason.value
-            completion.stop_reason = update.stop_reason
-            if detok is not None and detok.matched_stop is not None:
-                completion.finish_reason = FinishReason.STOP.value
-                completion.stop_reason = detok.matched_stop
-            return True
-        return False
-
-    def _detokenizer(self, prompt_ids: list[int], params: SamplingParams
-                     ) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            if params.stop:
-                raise ValueError("stop strings need a tokenizer; this model folder has none")
-            return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens,
-                                      params.stop)
+        completion, tracker = trackers[update.request_id]
+        finished = tracker.apply(update.new_token_ids, update.new_logprobs,
+                                 None if update.finish_reason is None else update.finish_reason.value,
+                                 update.stop_reason, update.spec_stats)
+        if tracker.needs_abort:
+            tracker.needs_abort = False
+            self.engine.abort([update.request_id])
+        completion.token_ids = tracker.token_ids
+        completion.logprobs = tracker.logprobs
+        completion.text = tracker.text
+        completion.finish_reason, completion.stop_reason = tracker.finish_reason, tracker.stop_reason
+        completion.spec_stats = tracker.spec_stats
+        return finished
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -36,6 +36,8 @@ class Worker:
             torch.backends.cuda.enable_cudnn_sdp(False)
         checkpoint = load_checkpoint(model_config.model, self.dtype)
         self.tokenizer = checkpoint.tokenizer
+        # what was loaded, in words (logs and the server's start-up line)
+        self.source = checkpoint.source
         self.hf_config = checkpoint.hf_config
         self.arch = LlamaArch.from_hf_config(checkpoint.hf_config)
         self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device)

@@ -1,0 +1,39 @@
+"""Every engine setting in one flat, picklable record: what `LLM(...)` takes as keywords, what
+`specserve serve` takes as flags, and what the server hands to the engine process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.spec_config import SpeculativeConfig
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory_gib: float = 1.0
+    num_kv_blocks: int | None = None
+    num_threads: int | None = None
+    # vLLM-style JSON text or dict (engine/spec_config.py); None = no speculation
+    speculative_config: str | dict[str, Any] | None = None
+
+    def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig | None]:
+        """Validated configs; every bad value raises ValueError naming it, before anything loads."""
+        spec = self.speculative_config
+        return (
+            ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
+                        max_model_len=self.max_model_len, num_threads=self.num_threads),
+            CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory_gib,
+                        num_blocks=self.num_kv_blocks),
+            SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens),
+            None if spec is None else SpeculativeConfig.from_json(spec),
+        )

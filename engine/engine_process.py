@@ -1,0 +1,129 @@
+"""The engine loop process: owns the EngineCore, takes requests from the server over ZeroMQ, steps
+while there is work, and sends each step's token deltas and stats back. It never speaks HTTP.
+
+It exits when told to (Shutdown), when its parent server dies (it would otherwise hold the model and
+the port's clients forever), or on an error, after telling the server why (EngineFailed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+
+import zmq
+
+from engine.core import EngineCore
+from engine.engine_args import EngineArgs
+from engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    RequestRejected,
+    Shutdown,
+    TokenDelta,
+    decode,
+    encode,
+)
+from engine.sampling_params import SamplingParams
+from engine.scheduler import RequestUpdate
+
+logger = logging.getLogger("specserve.engine")
+
+# how long an idle engine waits for a message before checking that its parent is still alive
+IDLE_POLL_MS = 200
+
+
+def run_engine_process(args: EngineArgs, input_address: str, output_address: str,
+                       parent_pid: int) -> None:
+    """Entry point of the engine process (multiprocessing target)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    inbox.connect(input_address)
+    outbox = context.socket(zmq.PUSH)
+    outbox.connect(output_address)
+    try:
+        core = EngineCore(*args.configs())
+        outbox.send(encode(_ready_message(core)))
+        EngineLoop(core, inbox, outbox, parent_pid).run()
+    except BaseException as error:  # the server must learn why, whatever it was
+        message = f"{type(error).__name__}: {error}"
+        logger.error("engine failed: %s\n%s", message, traceback.format_exc())
+        outbox.send(encode(EngineFailed(message)))
+        raise SystemExit(1) from error
+    finally:
+        outbox.close(linger=1000)
+        inbox.close(linger=0)
+        context.term()
+
+
+def _ready_message(core: EngineCore) -> EngineReady:
+    worker, spec = core.worker, core.speculative_config
+    return EngineReady(
+        model_name=worker.source, max_model_len=worker.kv_spec.max_model_len,
+        vocab_size=worker.arch.vocab_size, dtype=str(worker.dtype).removeprefix("torch."),
+        device=str(worker.device), num_kv_blocks=worker.kv_spec.num_blocks,
+        block_size=worker.kv_spec.block_size,
+        speculative_method=None if spec is None else spec.method,
+        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
+
+
+class EngineLoop:
+    def __init__(self, core: EngineCore, inbox: zmq.Socket, outbox: zmq.Socket,
+                 parent_pid: int) -> None:
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+
+    def run(self) -> None:
+        while True:
+            if os.getppid() != self.parent_pid:
+                logger.warning("the server process is gone; the engine exits")
+                return
+            # NOTE: never block while requests are running; an idle engine sleeps in poll()
+            timeout = 0 if self.core.has_unfinished else IDLE_POLL_MS
+            while self.inbox.poll(timeout):
+                if not self._handle(decode(self.inbox.recv())):
+                    return
+                timeout = 0
+            if self.core.has_unfinished:
+                updates = self.core.step()
+                self._send(EngineOutputs([_delta(u) for u in updates], self.core.last_step_stats))
+
+    def _handle(self, message: object) -> bool:
+        """Apply one message from the server; False means shut down."""
+        if isinstance(message, AddRequest):
+            try:
+                self.core.add_request(message.request_id, message.prompt_token_ids,
+                                      SamplingParams(**message.params))
+            except (ValueError, TypeError) as error:
+                self._send(RequestRejected(message.request_id, str(error)))
+        elif isinstance(message, AbortRequests):
+            updates = self.core.abort(message.request_ids)
+            if updates:
+                self._send(EngineOutputs([_delta(u) for u in updates]))
+        elif isinstance(message, Shutdown):
+            return False
+        else:
+            raise TypeError(f"unexpected message {type(message).__name__}")
+        return True
+
+    def _send(self, message: object) -> None:
+        self.outbox.send(encode(message))
+
+
+def _delta(update: RequestUpdate) -> TokenDelta:
+    return TokenDelta(
+        request_id=update.request_id,
+        new_token_ids=update.new_token_ids,
+        new_logprobs=None if update.new_logprobs is None else [
+            [lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]] for lp in update.new_logprobs],
+        finish_reason=None if update.finish_reason is None else update.finish_reason.value,
+        stop_reason=update.stop_reason,
+        spec_stats=None if update.spec_stats is None else update.spec_stats.as_dict(),
+    )
+

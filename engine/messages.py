@@ -1,0 +1,123 @@
+"""What the HTTP process and the engine process say to each other: plain dataclasses of msgpack-safe
+fields (str, int, float, bool, None, lists and dicts of them), packed with their type name.
+
+server -> engine: AddRequest, AbortRequests, Shutdown.
+engine -> server: EngineReady once, then EngineOutputs per step (token deltas + step stats),
+RequestRejected for a request the engine refused, EngineFailed before it dies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+
+# ---------------------------------------------------------------- server -> engine
+@dataclass
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    # SamplingParams fields (engine/sampling_params.py), validated again by the engine
+    params: dict[str, Any]
+
+
+@dataclass
+class AbortRequests:
+    request_ids: list[str]
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# ---------------------------------------------------------------- engine -> server
+@dataclass
+class EngineReady:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+    num_kv_blocks: int
+    block_size: int
+    # None when speculation is off
+    speculative_method: str | None
+    num_speculative_tokens: int
+
+
+@dataclass
+class TokenDelta:
+    """One request's tokens from one step; finish_reason set on its last delta."""
+
+    request_id: str
+    new_token_ids: list[int]
+    # per new token: [token_id, logprob, rank, [[top_id, top_logprob], ...]]; None if not asked for
+    new_logprobs: list[list[Any]] | None = None
+    finish_reason: str | None = None
+    # the stop token id that ended it, if one did
+    stop_reason: int | None = None
+    # SpecStats.as_dict() on the last delta
+    spec_stats: dict[str, Any] | None = None
+
+
+@dataclass
+class StepStats:
+    """One engine step, for the metrics the server owns (engine/core.py fills it)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    # fraction of KV blocks in use, 0..1
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    # speculation: drafts verified this step (one per request that had any), their tokens, accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_per_position[i]: drafts whose position i + 1 was accepted this step
+    accepted_per_position: list[int] = field(default_factory=list)
+    # per draft verified this step: how many of its tokens were accepted
+    accepted_lengths: list[int] = field(default_factory=list)
+    # seconds of this step in the target pass + verification, and in proposing the next drafts
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
+
+
+@dataclass
+class EngineOutputs:
+    deltas: list[TokenDelta]
+    stats: StepStats | None = None
+
+
+@dataclass
+class RequestRejected:
+    request_id: str
+    message: str
+
+
+@dataclass
+class EngineFailed:
+    message: str
+
+
+MESSAGE_TYPES = {cls.__name__: cls for cls in (
+    AddRequest, AbortRequests, Shutdown, EngineReady, TokenDelta, StepStats, EngineOutputs,
+    RequestRejected, EngineFailed)}
+
+
+def encode(message: Any) -> bytes:
+    return msgpack.packb([type(message).__name__, dataclasses.asdict(message)], use_bin_type=True)
+
+
+def decode(data: bytes) -> Any:
+    name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    if name == "EngineOutputs":
+        stats = fields["stats"]
+        return EngineOutputs([TokenDelta(**d) for d in fields["deltas"]],
+                             None if stats is None else StepStats(**stats))
+    return MESSAGE_TYPES[name](**fields)

@@ -1,0 +1,183 @@
+"""The HTTP process's handle on the engine process: starts it, waits for its readiness message, sends
+requests and aborts, routes each step's token deltas to the request they belong to, and notices when
+the engine dies so every waiting request ends with an error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import tempfile
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from engine.engine_args import EngineArgs
+from engine.engine_process import run_engine_process
+from engine.messages import (
+    AbortRequests,
+    AddRequest,
+    EngineFailed,
+    EngineOutputs,
+    EngineReady,
+    RequestRejected,
+    Shutdown,
+    StepStats,
+    TokenDelta,
+    decode,
+    encode,
+)
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger("specserve.server")
+
+# how often the watchdog checks that the engine process is alive
+WATCHDOG_SECONDS = 0.2
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; nothing more will come from it."""
+
+
+class RequestRejectedError(ValueError):
+    """The engine refused a request (its message says why); the server answers 400."""
+
+
+class EngineClient:
+    def __init__(self, args: EngineArgs, on_stats: Callable[[StepStats], None] | None = None,
+                 on_dead: Callable[[], None] | None = None) -> None:
+        self.args = args
+        self.on_stats = on_stats
+        self.on_dead = on_dead
+        self.ready: EngineReady | None = None
+        self.dead_reason: str | None = None
+        self._queues: dict[str, asyncio.Queue[TokenDelta | Exception]] = {}
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._socket_dir = tempfile.mkdtemp(prefix="specserve-ipc-")
+        self._context = zmq.asyncio.Context()
+        self._to_engine = self._context.socket(zmq.PUSH)
+        self._from_engine = self._context.socket(zmq.PULL)
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self._process is not None and self._process.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    async def start(self, timeout: float = 900.0) -> EngineReady:
+        """Spawn the engine process and wait until it has loaded the model and says so."""
+        input_address = f"ipc://{self._socket_dir}/input"
+        output_address = f"ipc://{self._socket_dir}/output"
+        self._to_engine.bind(input_address)
+        self._from_engine.bind(output_address)
+        # NOTE: spawn, not fork: the child must not inherit the event loop or its sockets
+        self._process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, name="specserve-engine", daemon=True,
+            args=(self.args, input_address, output_address, os.getpid()))
+        self._process.start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if await self._from_engine.poll(500):
+                message = decode(await self._from_engine.recv())
+                if isinstance(message, EngineReady):
+                    break
+                if isinstance(message, EngineFailed):
+                    raise RuntimeError(f"the engine failed to start: {message.message}")
+            if not self._process.is_alive():
+                raise RuntimeError(
+                    f"the engine process exited with code {self._process.exitcode} while starting")
+            if loop.time() > deadline:
+                raise TimeoutError(f"the engine did not become ready within {timeout:.0f} s")
+        self.ready = message
+        self._tasks = [asyncio.create_task(self._route_outputs()),
+                       asyncio.create_task(self._watch_process())]
+        return message
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine to exit; kill it if it does not."""
+        for task in self._tasks:
+            task.cancel()
+        if self._process is not None and self._process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                await self._to_engine.send(encode(Shutdown()))
+            await asyncio.to_thread(self._process.join, timeout)
+            if self._process.is_alive():
+                self._process.kill()
+                await asyncio.to_thread(self._process.join, 5)
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._context.term()
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self._socket_dir):
+                os.unlink(os.path.join(self._socket_dir, name))
+            os.rmdir(self._socket_dir)
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(self, request_id: str, prompt_token_ids: list[int],
+                          params: SamplingParams) -> asyncio.Queue[TokenDelta | Exception]:
+        """Queue of this request's deltas; it ends with a delta carrying finish_reason, or an
+        exception (RequestRejectedError, EngineDeadError)."""
+        if not self.is_alive:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        queue: asyncio.Queue[TokenDelta | Exception] = asyncio.Queue()
+        self._queues[request_id] = queue
+        await self._to_engine.send(encode(AddRequest(request_id, list(prompt_token_ids),
+                                                     dataclasses.asdict(params))))
+        return queue
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop requests in the engine (their KV blocks are freed there); no more deltas arrive."""
+        for request_id in request_ids:
+            self._queues.pop(request_id, None)
+        if request_ids and self.is_alive:
+            await self._to_engine.send(encode(AbortRequests(list(request_ids))))
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    # ------------------------------------------------------------------ background tasks
+    async def _route_outputs(self) -> None:
+        while True:
+            message = decode(await self._from_engine.recv())
+            if isinstance(message, EngineOutputs):
+                for delta in message.deltas:
+                    queue = self._queues.get(delta.request_id)
+                    if queue is None:
+                        continue  # aborted here already
+                    if delta.finish_reason is not None:
+                        del self._queues[delta.request_id]
+                    queue.put_nowait(delta)
+                if message.stats is not None and self.on_stats is not None:
+                    self.on_stats(message.stats)
+            elif isinstance(message, RequestRejected):
+                queue = self._queues.pop(message.request_id, None)
+                if queue is not None:
+                    queue.put_nowait(RequestRejectedError(message.message))
+            elif isinstance(message, EngineFailed):
+                self.dead_reason = f"the engine failed: {message.message}"
+                logger.error(self.dead_reason)
+
+    async def _watch_process(self) -> None:
+        while self._process.is_alive() and self.dead_reason is None:
+            await asyncio.sleep(WATCHDOG_SECONDS)
+        self.dead_reason = self.dead_reason or (
+            f"the engine process exited unexpectedly (exit code {self._process.exitcode})")
+        logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._queues))
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
+            queue.put_nowait(EngineDeadError(self.dead_reason))
+        if self.on_dead is not None:
+            self.on_dead()

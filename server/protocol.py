@@ -1,0 +1,501 @@
+"""Pydantic models for the OpenAI Completions and Chat Completions APIs, plus specserve's extras.
+
+Requests validate strictly: JSON types must match, since OpenAI rejects "0.5" for a number. Each
+error names its field. Unknown fields are ignored, because SDKs send fields we have no use for.
+Responses keep OpenAI's shapes and explicit nulls so the official `openai` SDK parses them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.spec_stats import SpecStats
+
+# "abort" is not OpenAI's, but vLLM sends it when the server cancels a request (e.g. on shutdown)
+FinishReason = Literal["stop", "length", "abort"]
+TokenId = Annotated[int, Field(ge=0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# OpenAI's documented "very unlikely" value; -inf is not valid JSON
+MIN_LOGPROB = -9999.0
+
+
+def random_id(prefix: str) -> str:
+    """OpenAI-style object id, e.g. `cmpl-3f2a...`; one per response, shared by its stream chunks."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+# ================================================================ requests
+class SpeculativeDecodingOptions(BaseModel):
+    """The `speculative_decoding` request extra: per-request control over speculation."""
+
+    # NOTE: forbid unknown keys here: a misspelled option of our own extension must not pass silently
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    enabled: bool = True
+    # cap on this request's k; 0 = off. The server rejects a cap above its own k.
+    num_speculative_tokens: Annotated[int, Field(ge=0)] | None = None
+
+    @property
+    def num_speculative_tokens_cap(self) -> int | None:
+        """SamplingParams.num_speculative_tokens: 0 when disabled (a disabled request ignores its cap)."""
+        return 0 if not self.enabled else self.num_speculative_tokens
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    # send one last chunk with `usage` (and `choices: []`) before [DONE]
+    include_usage: bool = False
+
+
+def _reject_unless_neutral(value: float | None, neutral: float) -> None:
+    """Penalties change the output; ignoring them silently would be worse than a 400."""
+    if value is not None and value != neutral:
+        raise ValueError(f"not supported by specserve; only {neutral:g} is accepted")
+
+
+class _GenerationRequest(BaseModel):
+    """Fields that Completions and Chat Completions share. None means the engine's default."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str | None = None
+    # OpenAI's range; the offline SamplingParams accepts more
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    # extension (vLLM): -1 or 0 = no top-k
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    # NOTE: stream comes before stream_options: the latter's validator reads it
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # a lone string is normalised to a one-item list
+    stop: list[NonEmptyStr] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions (vLLM)
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    # specserve extra
+    speculative_decoding: SpeculativeDecodingOptions | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_string_to_list(cls, stop: object) -> object:
+        return [stop] if isinstance(stop, str) else stop
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, options: StreamOptions | None,
+                                    info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return options
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _penalty_must_be_zero(cls, penalty: float | None) -> float | None:
+        _reject_unless_neutral(penalty, 0.0)
+        return penalty
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _repetition_penalty_must_be_one(cls, penalty: float | None) -> float | None:
+        _reject_unless_neutral(penalty, 1.0)
+        return penalty
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_must_be_empty(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("not supported by specserve; only an empty one is accepted")
+        return bias
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        spec = self.speculative_decoding
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "num_speculative_tokens": spec.num_speculative_tokens_cap if spec else None,
+        }
+        # NOTE: unset fields fall back to SamplingParams' defaults, the one place defaults live
+        kwargs = {name: value for name, value in given.items() if value is not None}
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, n=self.n,
+                              min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, **kwargs)
+
+
+PROMPT_SHAPE_ERROR = ("must be a string, a list of strings, a list of token ids or a list of "
+                      "token-id lists (token ids are non-negative integers)")
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions."""
+
+    # several prompts in one list are allowed, as with OpenAI: each gets n choices
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # top-N alternatives per token (OpenAI caps completions at 5; we allow MAX_LOGPROBS)
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_has_one_shape(cls, prompt: object, validate: ValidatorFunctionWrapHandler) -> Any:
+        # NOTE: one clear message instead of one error per branch of the union
+        try:
+            prompt = validate(prompt)
+        except ValidationError:
+            raise ValueError(PROMPT_SHAPE_ERROR) from None
+        if not prompt or (isinstance(prompt, list)
+                           and any(isinstance(p, (str, list)) and not p for p in prompt)):
+            raise ValueError("must not be empty (nor may any prompt in its list)")
+        return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt on its own: a text or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if isinstance(self.prompt[0], int):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """`default_max_tokens` (the room left in the context) applies when max_tokens is null."""
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    """One message; `content` is always plain text once validated (text parts joined by newlines)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    # None only for an assistant message (OpenAI allows it when the message carried tool calls)
+    content: str | None = Field(default=None, validate_default=True)
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, content: object) -> object:
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for index, part in enumerate(content):
+            part_type = part.get("type") if isinstance(part, dict) else None
+            if part_type != "text":
+                raise ValueError(f"part {index} has type {part_type!r}; only 'text' parts are "
+                                 "supported")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {index} needs a string 'text'")
+            texts.append(part["text"])
+        # NOTE: joined with newlines, as vLLM does
+        return "\n".join(texts)
+
+    @field_validator("content")
+    @classmethod
+    def _content_required_unless_assistant(cls, content: str | None,
+                                           info: ValidationInfo) -> str | None:
+        if content is None and info.data.get("role") != "assistant":
+            raise ValueError("required (only an assistant message may have null content)")
+        return content
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # deprecated by OpenAI in favour of max_completion_tokens, which wins when both are given
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    # NOTE: logprobs comes before top_logprobs: the latter's validator reads it
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top_logprobs: int | None,
+                                    info: ValidationInfo) -> int | None:
+        if top_logprobs is not None and not info.data.get("logprobs"):
+            raise ValueError("only allowed when logprobs is true")
+        return top_logprobs
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages for a Hugging Face chat template, which knows `system` but rarely `developer`."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+                for m in self.messages]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """`default_max_tokens` (the room left in the context) applies when no max is given."""
+        max_tokens = self.requested_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(default_max_tokens if max_tokens is None else max_tokens,
+                                     logprobs)
+
+
+# ================================================================ responses
+class _ResponseModel(BaseModel):
+    """Dumps every field, explicit nulls included, as OpenAI does; only the names in
+    `omitted_when_none` (our extras, and optional delta fields) vanish when they are None."""
+
+    omitted_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    # NOTE: no return annotation on purpose: pydantic would take it as the JSON schema of the model
+    @model_serializer(mode="wrap")
+    def _omit_unset_extras(self, serialize: SerializerFunctionWrapHandler):
+        data = serialize(self)
+        for name in self.omitted_when_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+def _finite_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+Logprob = Annotated[float, AfterValidator(_finite_logprob)]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def count(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class SpeculativeDecodingMetrics(BaseModel):
+    """SpecStats.as_dict(): vLLM's per-request names. Rates are null before any draft."""
+
+    # NOTE: keep keys SpecStats adds later (per-position counts, timings) instead of dropping them
+    model_config = ConfigDict(extra="allow")
+
+    num_spec_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    draft_acceptance_rate: float | None
+    mean_acceptance_length: float | None
+    acceptance_histogram: list[int]
+
+
+class ResponseMetrics(BaseModel):
+    """The `metrics` response extra, beside `usage`."""
+
+    speculative_decoding: SpeculativeDecodingMetrics
+
+    @classmethod
+    def from_spec_stats(cls, stats: SpecStats | Mapping[str, Any]) -> ResponseMetrics:
+        """Takes SpecStats or its as_dict(), the form that crosses the engine queue."""
+        as_dict = stats.as_dict() if isinstance(stats, SpecStats) else dict(stats)
+        return cls(speculative_decoding=SpeculativeDecodingMetrics.model_validate(as_dict))
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    # None for the first echoed prompt token, which has no context to be scored in
+    token_logprobs: list[Logprob | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
+    # character offset of each token in the choice's text
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    # the whole text in a response; the new text only in a stream chunk
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    # None in stream chunks until the choice's last one
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(_ResponseModel):
+    omitted_when_none = frozenset({"metrics"})
+
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    metrics: ResponseMetrics | None = None
+
+
+class CompletionStreamResponse(_ResponseModel):
+    """One SSE chunk; OpenAI uses the same object name as the full response."""
+
+    omitted_when_none = frozenset({"metrics"})
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    # empty on the final usage chunk
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    metrics: ResponseMetrics | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: Logprob
+    # UTF-8 bytes of the token; None when it is not valid UTF-8 on its own
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(_ResponseModel):
+    omitted_when_none = frozenset({"metrics"})
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    metrics: ResponseMetrics | None = None
+
+
+class DeltaMessage(_ResponseModel):
+    """The first chunk of a choice carries the role, later ones only content, the last one neither."""
+
+    omitted_when_none = frozenset({"role", "content"})
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage = Field(default_factory=DeltaMessage)
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionStreamResponse(_ResponseModel):
+    omitted_when_none = frozenset({"metrics"})
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    # empty on the final usage chunk
+    choices: list[ChatCompletionStreamChoice]
+    # null on every chunk but the final usage chunk
+    usage: Usage | None = None
+    metrics: ResponseMetrics | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "specserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ================================================================ errors
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    # the request field at fault, e.g. "temperature" or "messages.0.role"
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+    @classmethod
+    def build(cls, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+              code: str | int | None = None) -> ErrorResponse:
+        return cls(error=ErrorInfo(message=message, type=type, param=param, code=code))
+
+    @classmethod
+    def from_validation_errors(cls, errors: Sequence[Mapping[str, Any]]) -> ErrorResponse:
+        """From pydantic's `ValidationError.errors()` or FastAPI's `RequestValidationError.errors()`;
+        every message is prefixed by its field, and `param` names the first field at fault."""
+        described = []
+        params = []
+        for error in errors:
+            loc = [str(part) for part in error.get("loc", ())]
+            # FastAPI puts the request part first: ("body", "temperature")
+            if loc and loc[0] == "body":
+                loc = loc[1:]
+            param = ".".join(loc) or None
+            message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+            described.append(f"{param}: {message}" if param else message)
+            params.append(param)
+        return cls.build("; ".join(described) or "invalid request",
+                         param=next((p for p in params if p), None))
