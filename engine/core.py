@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -104,15 +105,19 @@ class EngineCore:
             request.spec_stats.draft_seconds += now - verified
         self._free_proposer_state(updates)
 
+    def gauge_snapshot(self) -> StepStats:
+        """Running, waiting and KV-cache usage now, outside a step (StepStats.is_step False)."""
+        scheduler, pool = self.scheduler, self.scheduler.block_manager
+        return StepStats(is_step=False, num_running=len(scheduler.running),
+                         num_waiting=len(scheduler.waiting),
+                         kv_cache_usage=1.0 - pool.num_free_blocks / pool.num_blocks,
+                         num_preemptions=scheduler.num_preemptions)
+
     def _step_stats(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
                     updates: list[RequestUpdate], num_prompt_tokens: int, start: float,
                     verified: float) -> StepStats:
-        scheduler = self.scheduler
-        pool = scheduler.block_manager
-        stats = StepStats(
-            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-            kv_cache_usage=1.0 - pool.num_free_blocks / pool.num_blocks,
-            num_preemptions=scheduler.num_preemptions, num_prompt_tokens=num_prompt_tokens,
+        stats = dataclasses.replace(
+            self.gauge_snapshot(), is_step=True, num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=sum(len(u.new_token_ids) for u in updates),
             verify_seconds=verified - start, draft_seconds=time.perf_counter() - verified)
         for item, kept in zip(items, sampled):

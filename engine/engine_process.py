@@ -105,7 +105,7 @@ class EngineLoop:
         elif isinstance(message, AbortRequests):
             updates = self.core.abort(message.request_ids)
             if updates:
-                self._send(EngineOutputs([_delta(u) for u in updates]))
+                self._send(EngineOutputs([_delta(u) for u in updates], self.core.gauge_snapshot()))
         elif isinstance(message, Shutdown):
             return False
         else:

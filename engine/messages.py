@@ -66,8 +66,13 @@ class TokenDelta:
 
 @dataclass
 class StepStats:
-    """One engine step, for the metrics the server owns (engine/core.py fills it)."""
+    """One engine step, for the metrics the server owns (engine/core.py fills it).
 
+    `is_step` False marks a snapshot sent after an abort, outside any step: only its gauges (running,
+    waiting, KV-cache usage, preemptions) mean anything, so freed blocks show without waiting for work.
+    """
+
+    is_step: bool = True
     num_running: int = 0
     num_waiting: int = 0
     # fraction of KV blocks in use, 0..1

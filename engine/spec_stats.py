@@ -7,7 +7,7 @@ bonus token). α = accepted / proposed; τ (mean acceptance length) = emitted to
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -73,6 +73,12 @@ class SpecStats:
                 for i, count in enumerate(theirs):
                     mine[i] += count
         return total
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpecStats:
+        """Back from as_dict() (the form that crosses the engine queue); derived rates are dropped."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{name: value for name, value in data.items() if name in names})
 
     def as_dict(self) -> dict:
         """vLLM's per-request names, as the HTTP response's `metrics.speculative_decoding` carries them."""

@@ -1,10 +1,12 @@
-"""`specserve` command line. `generate` runs the offline engine on one prompt; `serve` comes with the server."""
+"""`specserve` command line: `serve` runs the OpenAI-compatible server; `generate` runs the offline
+engine on one chat message."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -12,6 +14,7 @@ import time
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(commands)
     gen = commands.add_parser("generate", help="generate a reply to one chat message, offline")
     gen.add_argument("message", help="the user message (the chat template is applied)")
     gen.add_argument("--model", default=None,
@@ -28,6 +31,59 @@ def build_parser() -> argparse.ArgumentParser:
                      help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     gen.add_argument("--json", action="store_true", help="print the result as JSON")
     return parser
+
+
+def _add_serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="serve the OpenAI API (default: the embedded model)")
+    serve.add_argument("--model", default=None,
+                       help="local Hugging Face folder or .gguf file (default: embedded SmolLM2-135M)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the name clients pass as `model` (default: from the model path)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on /v1 (or SPECSERVE_API_KEY)")
+    serve.add_argument("--speculative-config", default=None,
+                       help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+    serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-num-seqs", type=int, default=64)
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    serve.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    serve.add_argument("--max-waiting-requests", type=int, default=256,
+                       help="queued requests before new ones get 429")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM waits for in-flight requests")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.engine_args import EngineArgs
+    from server.serve import ServerArgs, serve
+
+    engine_args = EngineArgs(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory_gib,
+        num_threads=args.num_threads, speculative_config=args.speculative_config)
+    engine_args.configs()  # NOTE: bad settings fail here, before the engine process starts
+    if args.model is not None and not os.path.exists(args.model):
+        raise FileNotFoundError(f"--model {args.model}: no such file or folder")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_waiting_requests < 1:
+        raise ValueError(f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}")
+    server_args = ServerArgs(host=args.host, port=args.port, api_key=args.api_key,
+                             served_model_name=args.served_model_name,
+                             max_waiting_requests=args.max_waiting_requests,
+                             drain_timeout=args.drain_timeout, log_level=args.log_level)
+    return asyncio.run(serve(engine_args, server_args))
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -58,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        return run_generate(args)
+        return run_serve(args) if args.command == "serve" else run_generate(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"specserve: error: {error}", file=sys.stderr)
         return 2

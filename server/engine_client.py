@@ -59,6 +59,8 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue[TokenDelta | Exception]] = {}
         self._process: multiprocessing.process.BaseProcess | None = None
         self._tasks: list[asyncio.Task] = []
+        # abort_soon's sends, referenced until done so they are not garbage-collected mid-flight
+        self._pending_sends: set[asyncio.Task] = set()
         self._socket_dir = tempfile.mkdtemp(prefix="specserve-ipc-")
         self._context = zmq.asyncio.Context()
         self._to_engine = self._context.socket(zmq.PUSH)
@@ -143,6 +145,13 @@ class EngineClient:
             self._queues.pop(request_id, None)
         if request_ids and self.is_alive:
             await self._to_engine.send(encode(AbortRequests(list(request_ids))))
+
+    def abort_soon(self, request_ids: list[str]) -> None:
+        """abort() from code that cannot await (cleanup of a cancelled stream)."""
+        if request_ids:
+            task = asyncio.get_running_loop().create_task(self.abort(request_ids))
+            self._pending_sends.add(task)
+            task.add_done_callback(self._pending_sends.discard)
 
     @property
     def num_in_flight(self) -> int:

@@ -159,6 +159,8 @@ class ServerMetrics:
                 new_preemptions = stats.num_preemptions
             self._num_preemptions.inc(new_preemptions)
             self._last_num_preemptions = stats.num_preemptions
+            if not stats.is_step:
+                return  # a snapshot after an abort: the gauges above are all it carries
             self._engine_steps.inc()
             self._prompt_tokens.inc(stats.num_prompt_tokens)
             self._generation_tokens.inc(stats.num_generation_tokens)

@@ -61,6 +61,20 @@ def load_checkpoint(model: str | None, dtype: torch.dtype) -> Checkpoint:
     raise ValueError(f"{path} is neither a folder nor a .gguf file; {_MODEL_ARG_HELP}")
 
 
+def load_tokenizer(model: str | None) -> transformers.PreTrainedTokenizerBase | None:
+    """Only the tokenizer of `model` (for the HTTP process, which never loads weights); for the
+    embedded model, call it after the engine has built its cache."""
+    if model is None:
+        model = embedded_cache_dir(embedded_gguf_path())
+    path = os.path.abspath(os.path.expanduser(model))
+    if path.endswith(".gguf"):
+        folder, name = os.path.split(path)
+        return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    if any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return None
+
+
 def embedded_gguf_path() -> str:
     """Path of the embedded GGUF; found without importing the package, whose import fails."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)

@@ -1,0 +1,106 @@
+"""`specserve serve`: start the engine process, wait until it is ready, then serve HTTP until told to
+stop (SIGTERM drains in-flight requests up to a timeout) or until the engine dies (exit code 1, so an
+orchestrator restarts the server)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+
+import uvicorn
+
+from engine.engine_args import EngineArgs
+from engine.messages import StepStats
+from engine.models.loader import load_tokenizer
+from server.app import ServerState, build_app
+from server.engine_client import EngineClient
+from server.metrics import ServerMetrics
+from server.openai_serving import OpenAIServing
+
+logger = logging.getLogger("specserve.server")
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    # choices sent to the engine with no token yet; beyond this, new requests get 429
+    max_waiting_requests: int = 256
+    # seconds SIGTERM waits for in-flight requests before closing them
+    drain_timeout: float = 30.0
+    log_level: str = "info"
+
+
+def served_model_name(engine_args: EngineArgs, server_args: ServerArgs) -> str:
+    if server_args.served_model_name:
+        return server_args.served_model_name
+    if engine_args.model is None:
+        return EMBEDDED_MODEL_NAME
+    return os.path.basename(os.path.normpath(engine_args.model)).removesuffix(".gguf")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, but a stop signal first marks the state as draining (new requests: 503)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if not self.state.draining:
+            logger.info("stop signal: draining in-flight requests (up to %.0f s)",
+                        self.config.timeout_graceful_shutdown or 0)
+        self.state.draining = True
+        super().handle_exit(sig, frame)
+
+
+async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+    """Run until stopped; returns the process exit code."""
+    # NOTE: the engine's torch threads share the cores with this process; passive waiting keeps
+    # them from spinning against the HTTP work (TOOLCHAIN.md measured a collapse otherwise)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    holder: dict[str, object] = {}
+
+    def on_stats(stats: StepStats) -> None:
+        holder["metrics"].observe_step(stats)
+
+    def on_dead() -> None:
+        if "server" in holder:
+            holder["server"].should_exit = True
+
+    client = EngineClient(engine_args, on_stats=on_stats, on_dead=on_dead)
+    try:
+        ready = await client.start()
+        name = served_model_name(engine_args, server_args)
+        metrics = ServerMetrics(name, ready.speculative_method, ready.num_speculative_tokens)
+        holder["metrics"] = metrics
+        tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
+        serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests)
+        state = ServerState(client, serving, metrics, server_args.api_key)
+        method = ready.speculative_method or "none"
+        logger.info("engine ready: %s as %r, %s on %s, context %d, %d KV blocks of %d tokens",
+                    ready.model_name, name, ready.dtype, ready.device, ready.max_model_len,
+                    ready.num_kv_blocks, ready.block_size)
+        logger.info("speculation: %s%s", method,
+                    f" (k = {ready.num_speculative_tokens})" if ready.speculative_method else "")
+        logger.info("serving the OpenAI API on http://%s:%d/v1", server_args.host, server_args.port)
+        config = uvicorn.Config(build_app(state), host=server_args.host, port=server_args.port,
+                                log_level=server_args.log_level, lifespan="off",
+                                timeout_graceful_shutdown=server_args.drain_timeout)
+        server = DrainingServer(config, state)
+        holder["server"] = server
+        if not client.is_alive:
+            return 1
+        await server.serve()
+        if client.dead_reason is not None:
+            logger.error("exiting: %s", client.dead_reason)
+            return 1
+        return 0
+    finally:
+        await client.shutdown()
