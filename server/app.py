@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.engine_client import EngineClient
 from server.errors import ApiError
@@ -54,6 +55,12 @@ def build_app(state: ServerState) -> FastAPI:
     async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
         return JSONResponse(ErrorResponse.from_validation_errors(error.errors()).model_dump(),
                             status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        # unknown routes, wrong methods, and bodies FastAPI cannot parse (e.g. not UTF-8)
+        return JSONResponse(ApiError(error.status_code, str(error.detail)).body(),
+                            status_code=error.status_code, headers=error.headers)
 
     async def authorized(request: Request) -> None:
         if state.api_key is None:

@@ -111,7 +111,7 @@ class OpenAIServing:
         except Exception as error:  # jinja errors: the conversation does not fit the template
             raise ApiError(400, f"the chat template rejected these messages: {error}",
                            param="messages") from error
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)
+        prompt = self._encode(text, "messages", add_special_tokens=False)
         params = self._sampling_params(body, prompt, body.requested_max_tokens)
         choices = await self._submit([prompt], [params], body.n)
         if body.stream:
@@ -136,11 +136,18 @@ class OpenAIServing:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send token ids", param="prompt")
-            return self.tokenizer.encode(prompt)
+            return self._encode(prompt, "prompt")
         if max(prompt) >= self.vocab_size:
             raise ApiError(400, f"prompt token ids must be below the vocabulary size "
                                 f"{self.vocab_size}", param="prompt")
         return prompt
+
+    def _encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # lone surrogates from JSON "\udcff" escapes
+            raise ApiError(400, f"{param} is not valid Unicode text: {error}", param=param) from None
+        return self.tokenizer.encode(text, **kwargs)
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest,
                          prompt: list[int], max_tokens: int | None) -> SamplingParams:

@@ -1,0 +1,70 @@
+"""A real `specserve serve` on 127.0.0.1 in a child process, for tests that talk HTTP to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+from prometheus_server import find_free_port
+
+
+class LiveServer:
+    """`with LiveServer(["--speculative-config", ...]) as server: server.url` (…/v1 is server.api)."""
+
+    def __init__(self, args: list[str], start_timeout: float = 180.0) -> None:
+        self.port = find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api = f"{self.url}/v1"
+        self.args = args
+        self.start_timeout = start_timeout
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> LiveServer:
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="specserve-", suffix=".log", delete=False)
+        env = dict(os.environ, SPECSERVE_NO_PROGRESS="1")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port),
+             "--num-threads", "1", *self.args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"specserve exited with {self.process.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"specserve did not become healthy:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        os.unlink(self.log.name)
+
+    def metric(self, name: str) -> float:
+        """Sum of a metric's samples in /metrics (all label sets)."""
+        from prometheus_client.parser import text_string_to_metric_families
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        return sum(s.value for family in text_string_to_metric_families(text)
+                   for s in family.samples if s.name == name)

@@ -1,0 +1,192 @@
+"""The real `openai` SDK against a live `specserve serve` on the embedded model: completions, chat,
+streaming, n, stop, seeds, logprobs, the speculation extras, every error status, client disconnects,
+and a real Prometheus scraping /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+from prometheus_server import PrometheusServer, find_prometheus_binary
+
+from server.metrics import ACCEPTANCE_RATE_PROMQL, BLOCK_EFFICIENCY_PROMQL
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "test-key-123"
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                    "prompt_lookup_max": 4})
+COPY_PROMPT = ("Repeat this list exactly, one item per line: apple, banana, cherry, date, elderberry, "
+               "fig, grape, apple, banana, cherry.")
+
+
+@pytest.fixture(scope="module")
+def plain():
+    with LiveServer(["--max-model-len", "512"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def spec():
+    with LiveServer(["--max-model-len", "512", "--speculative-config", NGRAM,
+                     "--api-key", KEY]) as server:
+        yield server
+
+
+def sdk(server: LiveServer, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.api, api_key=key, max_retries=0, timeout=120)
+
+
+def chat(client: openai.OpenAI, content: str, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}],
+                                          **kw)
+
+
+def test_completion_and_models(plain):
+    client = sdk(plain)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                    temperature=0)
+    assert out.object == "text_completion" and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
+    assert out.choices[0].text.strip()
+    assert out.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] == 0
+
+
+def test_greedy_over_http_is_identical_with_and_without_speculation(plain, spec):
+    prompts = [COPY_PROMPT, "Write a Python function that adds two numbers.", "Name three colors."]
+    accepted = 0
+    for prompt in prompts:
+        want = chat(sdk(plain), prompt, max_tokens=48, temperature=0)
+        got = chat(sdk(spec, KEY), prompt, max_tokens=48, temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert got.usage == want.usage
+        accepted += got.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"]
+    assert accepted > 0
+
+
+def test_stream_with_usage_matches_the_full_response(spec):
+    client = sdk(spec, KEY)
+    full = chat(client, COPY_PROMPT, max_tokens=40, temperature=0)
+    chunks = list(chat(client, COPY_PROMPT, max_tokens=40, temperature=0, stream=True,
+                       stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == \
+        full.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert chunks[-1].model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_completion_stream_and_echo(plain):
+    client = sdk(plain)
+    chunks = list(client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=6,
+                                            temperature=0, stream=True, echo=True))
+    text = "".join(c.choices[0].text for c in chunks)
+    full = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=6,
+                                     temperature=0)
+    assert text == "One, two, three," + full.choices[0].text
+
+
+def test_n_seed_and_stop(plain):
+    client = sdk(plain)
+    kw = {"max_tokens": 24, "temperature": 1.0, "seed": 7, "n": 3}
+    first = chat(client, "Tell me a short story.", **kw)
+    again = chat(client, "Tell me a short story.", **kw)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices]  # seeded: reproducible
+    assert len(set(texts)) > 1  # each choice draws on its own
+    assert first.usage.completion_tokens <= 3 * 24
+    full = chat(client, COPY_PROMPT, max_tokens=30, temperature=0).choices[0].message.content
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    stopped = chat(client, COPY_PROMPT, max_tokens=30, temperature=0, stop=[stop]).choices[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.message.content == full[:full.index(stop)]
+
+
+def test_chat_logprobs(plain):
+    out = chat(sdk(plain), "Say hello.", max_tokens=5, temperature=0, logprobs=True,
+               top_logprobs=2)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    for token in content:
+        assert token.logprob <= 0 and len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.logprob - 1e-6  # greedy picks the top token
+    assert "".join(t.token for t in content) == out.choices[0].message.content
+
+
+def test_per_request_speculation_control(spec):
+    client = sdk(spec, KEY)
+    off = chat(client, COPY_PROMPT, max_tokens=24, temperature=0,
+               extra_body={"speculative_decoding": {"enabled": False}})
+    capped = chat(client, COPY_PROMPT, max_tokens=24, temperature=0,
+                  extra_body={"speculative_decoding": {"num_speculative_tokens": 1}})
+    on = chat(client, COPY_PROMPT, max_tokens=24, temperature=0)
+    stats = [r.model_extra["metrics"]["speculative_decoding"] for r in (off, capped, on)]
+    assert stats[0]["num_draft_tokens"] == 0
+    assert len(stats[1]["accepted_per_position"]) <= 1 and stats[1]["num_draft_tokens"] > 0
+    assert off.choices[0].message.content == capped.choices[0].message.content == \
+        on.choices[0].message.content
+
+
+def test_error_statuses(plain, spec):
+    client = sdk(plain)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="exceeds the context") as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=600)
+    assert info.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="hi", temperature=5)
+    with pytest.raises(openai.AuthenticationError):
+        chat(sdk(spec, "wrong-key"), "hi", max_tokens=2)
+    assert httpx.get(f"{spec.api}/models").status_code == 401  # no Authorization header at all
+    with pytest.raises(openai.BadRequestError, match="above this server's 4"):
+        chat(sdk(spec, KEY), "hi", max_tokens=2,
+             extra_body={"speculative_decoding": {"num_speculative_tokens": 9}})
+    for body in (b"{not json", b'{"prompt": 5}', b'{"prompt": "x", "n": 1000}',
+                 b'{"prompt": "x", "max_tokens": "ten"}', b'{"prompt": "\xff\xfe"}',
+                 b'{"prompt": "\\udcff"}', b'{"prompt": "x", "unknown": 1, "stream": "yes"}'):
+        response = httpx.post(f"{plain.api}/completions", content=body,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400, (body, response.text)
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_client_disconnect_frees_blocks(plain):
+    body = {"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{plain.api}/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # generating: now hang up
+    assert plain.metric("specserve:kv_cache_usage_perc") >= 0
+    deadline = time.monotonic() + 30  # generous: proves the blocks come back, not how fast
+    while plain.metric("specserve:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert plain.metric("specserve:num_requests_running") == 0
+    assert plain.metric("specserve:kv_cache_usage_perc") == 0.0
+    assert plain.metric("specserve:request_success_total") > 0
+
+
+@pytest.mark.skipif(find_prometheus_binary() is None
+                    and not os.environ.get("SPECSERVE_REQUIRE_PROMETHEUS"),
+                    reason="needs the prometheus binary (.ci/run installs it)")
+def test_prometheus_scrapes_acceptance_and_block_efficiency(spec):
+    client = sdk(spec, KEY)
+    with PrometheusServer(f"127.0.0.1:{spec.port}", ready_timeout_s=15) as prometheus:
+        assert prometheus.wait_for_number("up", timeout_s=15) == 1.0  # scraped once before
+        start = time.monotonic()
+        while time.monotonic() - start < 4:  # counters move across several 1 s scrapes
+            chat(client, COPY_PROMPT, max_tokens=24, temperature=0)
+        alpha = prometheus.wait_for_number(ACCEPTANCE_RATE_PROMQL, timeout_s=30)
+        tau = prometheus.wait_for_number(BLOCK_EFFICIENCY_PROMQL, timeout_s=30)
+    assert 0.0 < alpha <= 1.0
+    assert 1.0 < tau <= 5.0
