@@ -5,8 +5,11 @@ orchestrator restarts the server)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
@@ -51,6 +54,18 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: uvicorn's own version re-raises the signal after serving, which kills the process
+        # before the engine is shut down; a drained server exits normally (code 0) instead
+        stop_signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in stop_signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame) -> None:
         if not self.state.draining:

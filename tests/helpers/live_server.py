@@ -68,3 +68,22 @@ class LiveServer:
         text = httpx.get(f"{self.url}/metrics", timeout=5).text
         return sum(s.value for family in text_string_to_metric_families(text)
                    for s in family.samples if s.name == name)
+
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process of a server: its child started by multiprocessing's spawn (the other
+    child, if any, is multiprocessing's resource tracker)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if parent == server_pid and b"spawn_main" in command:
+            return int(entry)
+    raise LookupError(f"no engine process under {server_pid}")
