@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -190,3 +194,26 @@ def test_prometheus_scrapes_acceptance_and_block_efficiency(spec):
         tau = prometheus.wait_for_number(BLOCK_EFFICIENCY_PROMQL, timeout_s=30)
     assert 0.0 < alpha <= 1.0
     assert 1.0 < tau <= 5.0
+
+
+def test_readme_examples_work_as_written(plain):
+    """The curl and SDK examples of README.md, run against this server (only the port differs)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    curl = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if b.startswith("curl"))
+    sdk_example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
+                       if "from openai import OpenAI" in b)
+    at_port = {"127.0.0.1:8000": f"127.0.0.1:{plain.port}"}
+    result = subprocess.run(["bash", "-c", replace_all(curl, at_port)], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["choices"][0]["message"]["content"]
+    result = subprocess.run([sys.executable, "-c", replace_all(sdk_example, at_port)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "speculative_decoding" in result.stdout and "completion_tokens" in result.stdout
+
+
+def replace_all(text: str, replacements: dict[str, str]) -> str:
+    for old, new in replacements.items():
+        text = text.replace(old, new)
+    return text
