@@ -15,6 +15,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +36,15 @@ def run_transformers(model, prompt: list[int], max_tokens: int, lookup: int | No
     return max_tokens / time_transformers(model, prompt, max_tokens, lookup)[0]
 
 
-def run_engine(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, float, float, list]:
-    """tokens/s end to end, τ over the decode steps, decode tokens/s, token ids."""
+class EngineRun(NamedTuple):
+    rate: float  # tokens/s end to end
+    tau: float  # tokens per target pass over the decode steps
+    decode_rate: float  # tokens/s over the decode steps
+    token_ids: list[int]  # decoded after the prefill step
+    alpha: float | None  # draft acceptance rate (None: nothing drafted)
+
+
+def run_engine(llm: LLM, prompt: list[int], max_tokens: int) -> EngineRun:
     core = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -50,8 +58,9 @@ def run_engine(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, flo
     end = time.perf_counter()
     num_decode_tokens = sum(len(u.new_token_ids) for u in updates)
     tau = num_decode_tokens / (core.totals.num_steps - steps_before)
-    return (max_tokens / (end - start), tau, num_decode_tokens / (end - decode_start),
-            [t for u in updates for t in u.new_token_ids])
+    return EngineRun(max_tokens / (end - start), tau, num_decode_tokens / (end - decode_start),
+                     [t for u in updates for t in u.new_token_ids],
+                     updates[-1].spec_stats.draft_acceptance_rate)
 
 
 def main() -> None:
@@ -93,14 +102,14 @@ def main() -> None:
         for _ in range(args.repeats):  # interleaved, prompt by prompt
             rows["hf"].append(run_transformers(reference, prompt, args.max_tokens, None))
             rows["lookup"].append(run_transformers(reference, prompt, args.max_tokens, args.k))
-            rate, _, decode_rate, plain_ids = run_engine(plain, prompt, args.max_tokens)
+            rate, _, decode_rate, plain_ids, _ = run_engine(plain, prompt, args.max_tokens)
             rows["plain"].append(rate)
             rows["decode_plain"].append(decode_rate)
-            rate, tau, decode_rate, spec_ids = run_engine(ngram, prompt, args.max_tokens)
+            rate, tau, decode_rate, spec_ids, _ = run_engine(ngram, prompt, args.max_tokens)
             rows["ngram"].append(rate)
             rows["tau"].append(tau)
             rows["decode_spec"].append(decode_rate)
-            rate, tau, _, draft_ids = run_engine(drafted, prompt, args.max_tokens)
+            rate, tau, _, draft_ids, _ = run_engine(drafted, prompt, args.max_tokens)
             rows["draft"].append(rate)
             rows["tau_draft"].append(tau)
             same &= plain_ids == spec_ids == draft_ids

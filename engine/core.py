@@ -6,6 +6,8 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+import torch
+
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.messages import StepStats
 from engine.proposers import Proposer, build_proposer
@@ -75,21 +77,37 @@ class EngineCore:
         sampled = self.sampler(out.logits, scheduled.sampling)
         updates = self.scheduler.commit(scheduled, sampled)
         verified = time.perf_counter()
-        drafted_for = self._propose_drafts()
+        drafted_for = self._propose_drafts(scheduled.sampling, sampled, out.hidden)
         self._account(scheduled.sampling, drafted_for, start, verified, updates)
         self.last_step_stats = self._step_stats(scheduled.sampling, sampled, updates,
                                                 num_prompt_tokens, start, verified)
         return updates
 
-    def _propose_drafts(self) -> list[Request]:
+    def _propose_drafts(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
+                        hidden: torch.Tensor) -> list[Request]:
         """Drafts for the NEXT step, from the tokens just committed (so the scheduler can budget them);
-        returns the requests drafted for."""
+        returns the requests drafted for.
+
+        Only requests that sampled this step get new drafts: the others' tokens did not change, so
+        their pending drafts still stand. Each gets the target's hidden state at the row that
+        produced its newest token (row a of its 1 + k rows after a accepted drafts).
+        """
         if self.proposer is None:
             return []
-        requests = self.scheduler.decoding
+        row_of: dict[str, int] = {}
+        start = 0
+        for item, kept in zip(items, sampled):
+            row_of[item.request.request_id] = start + len(kept.token_ids) - 1
+            start += item.num_draft_tokens + 1
+        requests = [r for r in self.scheduler.decoding if r.request_id in row_of]
+        if not requests:
+            return []
         k = self.speculative_config.num_speculative_tokens
         caps = [self.scheduler.draft_budget(r, k) for r in requests]
-        for request, proposal in zip(requests, self.proposer.propose(requests, caps, None)):
+        target_hidden = hidden[torch.tensor([row_of[r.request_id] for r in requests],
+                                            device=hidden.device)]
+        for request, proposal in zip(requests, self.proposer.propose(requests, caps,
+                                                                     target_hidden)):
             request.draft_token_ids, request.draft_probs = proposal.token_ids, proposal.probs
         return [r for r, cap in zip(requests, caps) if cap > 0]
 

@@ -2,6 +2,8 @@
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     {"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 4}
+    {"method": "suffix", "num_speculative_tokens": 4, "suffix_max_depth": 24}
+    {"method": "mlp_speculator", "model": "/path/to/speculator", "num_speculative_tokens": 3}
 
 Unknown keys and bad values fail here, at start-up, with the name of what was wrong.
 """
@@ -10,13 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "eagle", "mlp_speculator", "suffix")
 # methods whose proposer exists in this build
-BUILT_METHODS = ("ngram", "draft_model")
+BUILT_METHODS = ("ngram", "draft_model", "suffix", "mlp_speculator")
 MAX_SPECULATIVE_TOKENS = 16
+# suffix trees cost O(depth) per committed token in Python: deeper buys little and costs every step
+MAX_SUFFIX_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,14 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     # draft_model / eagle / mlp_speculator: a local folder with the proposer's weights
     model: str | None = None
+    # suffix: the longest pattern the suffix trees index (tokens); a match plus its draft fit in it
+    suffix_max_depth: int = 24
+    # suffix: tokens of finished requests' outputs kept for later requests to draft from (0 = none)
+    suffix_max_cached_tokens: int = 65536
+    # suffix: a draft stops where the estimated probability of its path falls below this
+    suffix_min_token_prob: float = 0.1
+    # suffix: at most this many draft tokens per matched context token (the paper's MAX_SPEC = α·p)
+    suffix_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -43,9 +57,30 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError('speculative method "draft_model" needs "model": a local folder or '
                              '.gguf file of a smaller model with the same tokenizer')
+        if self.method == "mlp_speculator" and not self.model:
+            raise ValueError('speculative method "mlp_speculator" needs "model": a folder written by '
+                             '`specserve train-speculator`')
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        self._check_suffix_settings()
+
+    def _check_suffix_settings(self) -> None:
+        if not 2 <= self.suffix_max_depth <= MAX_SUFFIX_DEPTH:
+            raise ValueError(f"suffix_max_depth must be in [2, {MAX_SUFFIX_DEPTH}], "
+                             f"got {self.suffix_max_depth}")
+        if self.method == "suffix" and self.suffix_max_depth <= self.num_speculative_tokens:
+            raise ValueError(f"suffix_max_depth ({self.suffix_max_depth}) must exceed "
+                             f"num_speculative_tokens ({self.num_speculative_tokens}): a match of "
+                             f"at least one token and its draft fit in that depth")
+        if self.suffix_max_cached_tokens < 0:
+            raise ValueError(f"suffix_max_cached_tokens must be >= 0 (0 turns the cache of "
+                             f"finished outputs off), got {self.suffix_max_cached_tokens}")
+        if not 0.0 <= self.suffix_min_token_prob <= 1.0:
+            raise ValueError(f"suffix_min_token_prob must be in [0, 1], "
+                             f"got {self.suffix_min_token_prob}")
+        if not (self.suffix_factor > 0 and math.isfinite(self.suffix_factor)):
+            raise ValueError(f"suffix_factor must be a finite number > 0, got {self.suffix_factor}")
 
     @classmethod
     def from_json(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
@@ -65,7 +100,10 @@ class SpeculativeConfig:
             if required not in value:
                 raise ValueError(f"speculative config needs {required!r}")
         for key, expected in (("method", str), ("num_speculative_tokens", int), ("model", str),
-                              ("prompt_lookup_min", int), ("prompt_lookup_max", int)):
+                              ("prompt_lookup_min", int), ("prompt_lookup_max", int),
+                              ("suffix_max_depth", int), ("suffix_max_cached_tokens", int),
+                              ("suffix_min_token_prob", numbers.Real),
+                              ("suffix_factor", numbers.Real)):
             if key in value and (not isinstance(value[key], expected)
                                  or isinstance(value[key], bool)):
                 raise ValueError(f"speculative config {key!r} must be {expected.__name__}, "

@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 class ModelRunnerOutput:
     # [num_sampling_rows, vocab]: per sampling request, 1 + num_draft_tokens rows (input_batch.py)
     logits: torch.Tensor
+    # [num_sampling_rows, hidden]: the final-norm hidden states those logits came from (proposers
+    # that draft from the target's features read them)
+    hidden: torch.Tensor
 
 
 class Worker:
@@ -69,6 +72,6 @@ class Worker:
     def execute(self, output: SchedulerOutput, block_manager: BlockManager) -> ModelRunnerOutput:
         inputs = build_model_inputs(output, block_manager, self.arch.sliding_window, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [rows, vocab]
-        return ModelRunnerOutput(logits=logits)
+        rows = hidden[inputs.logits_indices]  # [rows, hidden]
+        return ModelRunnerOutput(logits=self.model.compute_logits(rows), hidden=rows)
 

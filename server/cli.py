@@ -1,5 +1,5 @@
 """`specserve` command line: `serve` runs the OpenAI-compatible server; `generate` runs the offline
-engine on one chat message."""
+engine on one chat message; `train-speculator` trains an MLP speculator for a model."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(commands)
+    from engine.training.train_speculator import add_arguments as add_training_arguments
+
+    add_training_arguments(commands.add_parser(
+        "train-speculator", help="train an MLP speculator on the model's own answers"))
     gen = commands.add_parser("generate", help="generate a reply to one chat message, offline")
     gen.add_argument("message", help="the user message (the chat template is applied)")
     gen.add_argument("--model", default=None,
@@ -114,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "train-speculator":
+            from engine.training.train_speculator import run as run_training
+
+            return run_training(args)
         return run_serve(args) if args.command == "serve" else run_generate(args)
     except (ValueError, FileNotFoundError) as error:
         print(f"specserve: error: {error}", file=sys.stderr)

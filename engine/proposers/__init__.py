@@ -23,6 +23,18 @@ def build_proposer(config: SpeculativeConfig, worker: Worker) -> Proposer:
         return DraftModelProposer(config.model, worker.dtype, worker.device,
                                   worker.kv_spec.num_blocks, worker.kv_spec.block_size,
                                   worker.arch.vocab_size)
+    if config.method == "suffix":
+        from engine.proposers.suffix import SuffixProposer
+
+        return SuffixProposer(config.suffix_max_depth, config.suffix_max_cached_tokens,
+                              config.suffix_min_token_prob, config.suffix_factor)
+    if config.method == "mlp_speculator":
+        from engine.proposers.mlp_speculator import MLPSpeculatorProposer
+
+        model = worker.model
+        return MLPSpeculatorProposer(config.model, model.embed_tokens, model.lm_head,
+                                     worker.arch.hidden_size, worker.arch.vocab_size, worker.dtype,
+                                     worker.device)
     raise ValueError(f"speculative method {config.method!r} is not built yet")
 
 

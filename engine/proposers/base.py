@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.sample.sampler import exponential_race, mask_banned_tokens, target_probs
 
 
 @dataclass
@@ -31,3 +32,14 @@ class Proposer(ABC):
 
     def free(self, request_id: str) -> None:
         """The request ended; drop anything kept for it. Default: nothing kept."""
+
+
+def sample_draft_token(logits: torch.Tensor, request: Request, offset: int) -> tuple[int, torch.Tensor]:
+    """A model-based proposer's draft token at draft position `offset` (0-based) and its q, transformed
+    exactly as the target's p will be (min_tokens masking, temperature, top-k, top-p): the rejection
+    sampler compares like with like. logits: [vocab]."""
+    logits = mask_banned_tokens(logits[None], [(0, request, request.num_output_tokens + offset)])
+    if request.params.is_greedy:
+        return int(logits[0].argmax()), logits[0]
+    q = target_probs(logits[0], request.params)  # [vocab]
+    return exponential_race(q, request.generator), q

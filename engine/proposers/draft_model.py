@@ -17,9 +17,8 @@ from engine.block_manager import BlockManager
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
-from engine.proposers.base import DraftProposal, Proposer
+from engine.proposers.base import DraftProposal, Proposer, sample_draft_token
 from engine.request import Request
-from engine.sample.sampler import exponential_race, mask_banned_tokens, target_probs
 
 
 @dataclass
@@ -59,7 +58,7 @@ class DraftModelProposer(Proposer):
                 break
             logits = self._forward([requests[i] for i in batch], [drafts[i] for i in batch])
             for row, i in enumerate(batch):
-                token, q = self._sample(logits[row], requests[i], len(drafts[i]))
+                token, q = sample_draft_token(logits[row], requests[i], len(drafts[i]))
                 drafts[i].append(token)
                 probs[i].append(q)
             active = batch
@@ -126,12 +125,3 @@ class DraftModelProposer(Proposer):
         hidden = self.model(torch.tensor(token_ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta, self.kv_caches)
         return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, request: Request, offset: int) -> tuple[int, torch.Tensor]:
-        """The draft token and q, transformed exactly as the target's p will be."""
-        logits = mask_banned_tokens(logits[None], [(0, request, request.num_output_tokens + offset)])
-        if request.params.is_greedy:
-            return int(logits[0].argmax()), logits[0]
-        q = target_probs(logits[0], request.params)  # [vocab]
-        return exponential_race(q, request.generator), q

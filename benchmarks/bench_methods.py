@@ -1,0 +1,81 @@
+"""Every speculation method side by side on the embedded model, one run: tokens/s, α and τ per
+workload (greedy, batch 1, float32), and whether each method's tokens equal plain decoding's.
+
+Run: python -m benchmarks.bench_methods [--speculator DIR] [--draft DIR] [--max-tokens 128]
+     [--repeats 2] [--threads 2] [--workloads code_editing,extraction,open_chat]
+The MLP speculator column needs --speculator (a folder from `specserve train-speculator`); the draft
+model defaults to the layer-skip cut of benchmarks/make_draft.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+
+import torch
+
+from benchmarks.bench_spec import run_engine
+from benchmarks.common import add_model_args, engine_kwargs, hardware_name
+from benchmarks.make_draft import make_layer_skip_draft
+from benchmarks.workloads import chat_prompts
+from engine import LLM
+
+
+def method_configs(args: argparse.Namespace) -> dict[str, dict | None]:
+    draft = args.draft or make_layer_skip_draft(4, 2, tempfile.mkdtemp(prefix="specserve-draft-"),
+                                                args.model)
+    configs: dict[str, dict | None] = {
+        "plain": None,
+        "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+                  "prompt_lookup_max": 4},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 5},
+        "draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
+    }
+    if args.speculator:
+        configs["mlp_speculator"] = {"method": "mlp_speculator", "model": args.speculator,
+                                     "num_speculative_tokens": 3}
+    return configs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--speculator", default=None, help="MLP speculator folder")
+    parser.add_argument("--draft", default=None, help="draft model folder (default: layer-skip)")
+    parser.add_argument("--workloads", default="code_editing,extraction,open_chat")
+    add_model_args(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engines = {name: LLM(args.model, **engine_kwargs(args), speculative_config=config)
+               for name, config in method_configs(args).items()}
+    prompts = chat_prompts(engines["plain"].tokenizer)
+    for llm in engines.values():
+        run_engine(llm, prompts["open_chat"], 8)  # warm-up
+    print(f"{hardware_name(args)}, torch {torch.__version__}, {args.dtype}, greedy, "
+          f"{args.max_tokens} tokens, batch 1; tokens/s include prompt processing; "
+          f"medians of {args.repeats}\n")
+    print(f"{'workload':<14}{'method':<16}{'tok/s':>8}{'vs plain':>10}{'alpha':>7}{'tau':>6}"
+          f"{'same':>6}")
+    for workload in args.workloads.split(","):
+        prompt = prompts[workload]
+        rates: dict[str, list[float]] = {name: [] for name in engines}
+        stats: dict[str, tuple[float, float]] = {}
+        tokens: dict[str, list[int]] = {}
+        for _ in range(args.repeats):  # interleaved: every method once per repeat
+            for name, llm in engines.items():
+                run = run_engine(llm, prompt, args.max_tokens)
+                rates[name].append(run.rate)
+                stats[name] = (float("nan") if run.alpha is None else run.alpha, run.tau)
+                tokens[name] = run.token_ids
+        plain_rate = statistics.median(rates["plain"])
+        for name in engines:
+            rate = statistics.median(rates[name])
+            alpha, tau = stats[name]
+            print(f"{workload:<14}{name:<16}{rate:>8.1f}{rate / plain_rate:>9.2f}x{alpha:>7.2f}"
+                  f"{tau:>6.2f}{str(tokens[name] == tokens['plain']):>6}")
+
+
+if __name__ == "__main__":
+    main()

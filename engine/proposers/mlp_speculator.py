@@ -1,0 +1,143 @@
+"""MLP speculator (IBM-style): small per-position MLP stages that read the target's last hidden state
+and the embedding of the token just emitted, and predict the next k tokens one stage at a time.
+
+Each stage mixes the running state with the new token's embedding, through a norm and a GELU:
+    state_i = gelu(norm_i(W_state_i · state_{i-1} · a + W_emb_i · embed(token_i) · b)).
+Its logits come from the target's own LM head, frozen and shared, so a stage costs two hidden×hidden
+matmuls plus one head pass. On the embedded SmolLM2 that is 0.66M parameters per stage against the
+target's 134M. The target's embedding table is shared the same way.
+
+A speculator folder holds `speculator_config.json` and `model.safetensors`, written by
+`specserve train-speculator` (engine/training/train_speculator.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.proposers.base import DraftProposal, Proposer, sample_draft_token
+from engine.request import Request
+
+CONFIG_FILE = "speculator_config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class MLPSpeculatorConfig:
+    # the target's hidden size and vocabulary: a speculator only fits the model it was trained on
+    hidden_size: int
+    vocab_size: int
+    # stages = the most draft tokens it can propose in one step
+    num_stages: int
+    # what it was trained on, in words (shown in logs)
+    trained_for: str = ""
+
+    def save(self, folder: str) -> None:
+        with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+            json.dump({"type": "mlp_speculator", **asdict(self)}, f, indent=2)
+
+    @classmethod
+    def load(cls, folder: str) -> MLPSpeculatorConfig:
+        path = os.path.join(folder, CONFIG_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}: not an MLP speculator folder "
+                                    "(make one with `specserve train-speculator`)")
+        with open(path) as f:
+            data = json.load(f)
+        if data.pop("type", None) != "mlp_speculator":
+            raise ValueError(f"{path} does not describe an mlp_speculator")
+        return cls(**data)
+
+
+class MLPSpeculator(nn.Module):
+    def __init__(self, config: MLPSpeculatorConfig) -> None:
+        super().__init__()
+        self.config = config
+        size = config.hidden_size
+        self.state_proj = nn.ModuleList(nn.Linear(size, size, bias=False)
+                                        for _ in range(config.num_stages))
+        self.embed_proj = nn.ModuleList(nn.Linear(size, size, bias=False)
+                                        for _ in range(config.num_stages))
+        self.norms = nn.ModuleList(nn.LayerNorm(size) for _ in range(config.num_stages))
+        # NOTE: a² + b² = 1 keeps the mix's scale steady from stage to stage (IBM's weighting)
+        self.state_weight = 0.5 ** (0.5 / config.num_stages)
+        self.embed_weight = math.sqrt(1.0 - self.state_weight ** 2)
+
+    def stage(self, index: int, state: torch.Tensor, token_embedding: torch.Tensor) -> torch.Tensor:
+        """state [rows, hidden] (the target's, for stage 0), token_embedding [rows, hidden]."""
+        mixed = (self.state_proj[index](state) * self.state_weight
+                 + self.embed_proj[index](token_embedding) * self.embed_weight)
+        return nn.functional.gelu(self.norms[index](mixed))
+
+    def save(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.config.save(folder)
+        save_file({name: t.detach().contiguous() for name, t in self.state_dict().items()},
+                  os.path.join(folder, WEIGHTS_FILE))
+
+    @classmethod
+    def load(cls, folder: str, dtype: torch.dtype, device: torch.device) -> MLPSpeculator:
+        model = cls(MLPSpeculatorConfig.load(folder))
+        model.load_state_dict(load_file(os.path.join(folder, WEIGHTS_FILE)))
+        return model.to(device=device, dtype=dtype).eval()
+
+
+class MLPSpeculatorProposer(Proposer):
+    """Drafts from the target's hidden state at the row that produced each request's newest token."""
+
+    def __init__(self, folder: str, embed_tokens: nn.Embedding, lm_head: nn.Module,
+                 hidden_size: int, vocab_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.speculator = MLPSpeculator.load(folder, dtype, device)
+        config = self.speculator.config
+        if (config.hidden_size, config.vocab_size) != (hidden_size, vocab_size):
+            raise ValueError(
+                f"the speculator in {folder} was trained for hidden size {config.hidden_size} and "
+                f"vocabulary {config.vocab_size}; the target has {hidden_size} and {vocab_size}")
+        # the target's own modules, read-only
+        self.embed_tokens = embed_tokens
+        self.lm_head = lm_head
+        self.device = device
+
+    @property
+    def num_stages(self) -> int:
+        return self.speculator.config.num_stages
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], max_num_tokens: list[int],
+                target_hidden: torch.Tensor | None) -> list[DraftProposal]:
+        caps = [min(cap, self.num_stages) for cap in max_num_tokens]
+        active = [i for i, cap in enumerate(caps) if cap > 0]
+        drafts: dict[int, list[int]] = {i: [] for i in active}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        if active and target_hidden is not None:
+            state = target_hidden[active]  # [rows, hidden]
+            tokens = [(requests[i].output_token_ids or requests[i].prompt_token_ids)[-1]
+                      for i in active]
+            for stage in range(max(caps[i] for i in active)):
+                # NOTE: a request stops at its own cap, and draws no random numbers past it, so a
+                # seeded request's drafts do not depend on the rest of the batch
+                keep = [row for row, i in enumerate(active) if caps[i] > stage]
+                active, state = [active[row] for row in keep], state[keep]
+                tokens = [tokens[row] for row in keep]
+                state = self.speculator.stage(stage, state, self.embed_tokens(
+                    torch.tensor(tokens, device=self.device)))
+                logits = self.lm_head(state)  # [rows, vocab]
+                for row, i in enumerate(active):
+                    token, q = sample_draft_token(logits[row], requests[i], stage)
+                    tokens[row] = token
+                    drafts[i].append(token)
+                    probs[i].append(q)
+        proposals = []
+        for i, request in enumerate(requests):
+            tokens = drafts.get(i, [])
+            is_random = bool(tokens) and not request.params.is_greedy
+            proposals.append(DraftProposal(tokens, torch.stack(probs[i]) if is_random else None))
+        return proposals

@@ -1,0 +1,1 @@
+"""Training proposers for a served model from the model's own outputs (self-distillation)."""

@@ -1,0 +1,189 @@
+"""Train an MLP speculator for a served model on text the model itself generates (self-distillation).
+
+1. The engine answers chat prompts greedily (engine/training/prompts.py), batched.
+2. One transformers forward over each prompt + answer gives the target's final hidden states.
+3. At each answer position t, stage i learns to predict token t + 2 + i from the state so far and the
+   embedding of token t + 1 + i. On greedy text those tokens are exactly the target's own choices, so
+   the speculator learns to guess what the target will say, which is what acceptance measures.
+   The target's embedding and LM head are shared and frozen; only the stages train.
+
+Run: specserve train-speculator --out DIR [--model PATH] [--num-prompts 96] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+from engine.llm import LLM
+from engine.models.loader import embedded_cache_dir, embedded_gguf_path
+from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.sampling_params import SamplingParams
+from engine.training.prompts import build_prompts
+
+logger = logging.getLogger("specserve.train")
+
+
+@dataclass
+class TrainingSet:
+    """Aligned examples: the target's hidden state at t, tokens t+1..t+k (inputs), t+2..t+k+1."""
+
+    hidden: torch.Tensor  # [examples, hidden]
+    inputs: torch.Tensor  # [examples, k] int64
+    labels: torch.Tensor  # [examples, k] int64
+
+    def split(self, held_out: float, seed: int) -> tuple[TrainingSet, TrainingSet]:
+        order = torch.randperm(len(self.hidden), generator=torch.Generator().manual_seed(seed))
+        cut = int(len(order) * (1 - held_out))
+        pick = [order[:cut], order[cut:]]
+        return tuple(TrainingSet(self.hidden[i], self.inputs[i], self.labels[i]) for i in pick)
+
+
+def load_reference(model: str | None) -> transformers.PreTrainedModel:
+    """The target in transformers, float32, on the weights the engine serves."""
+    if model is None:
+        model = embedded_cache_dir(embedded_gguf_path())
+    if model.endswith(".gguf"):
+        folder, name = os.path.split(os.path.abspath(model))
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, local_files_only=True).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        model, dtype=torch.float32, local_files_only=True).eval()
+
+
+def generate_answers(llm: LLM, prompts: list[str], max_tokens: int) -> list[tuple[list[int], int]]:
+    """(prompt + greedy answer token ids, prompt length) per prompt."""
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
+                    SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
+    return [(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids)) for o in outs]
+
+
+@torch.no_grad()
+def build_training_set(reference: transformers.PreTrainedModel,
+                       sequences: list[tuple[list[int], int]], num_stages: int) -> TrainingSet:
+    hidden, inputs, labels = [], [], []
+    for token_ids, prompt_len in tqdm(sequences, desc="target features", disable=None):
+        ids = torch.tensor(token_ids)
+        states = reference.model(ids[None]).last_hidden_state[0]  # [T, hidden], final-norm
+        # t = prompt_len - 1 is the position whose hidden state produced the first answer token
+        for t in range(prompt_len - 1, len(token_ids) - num_stages - 1):
+            hidden.append(states[t])
+            inputs.append(ids[t + 1:t + 1 + num_stages])
+            labels.append(ids[t + 2:t + 2 + num_stages])
+    if not hidden:
+        raise ValueError("the answers are too short to train on; raise --max-tokens")
+    return TrainingSet(torch.stack(hidden), torch.stack(inputs), torch.stack(labels))
+
+
+def stage_logits(speculator: MLPSpeculator, embed: torch.nn.Module, head: torch.nn.Module,
+                 hidden: torch.Tensor, inputs: torch.Tensor) -> list[torch.Tensor]:
+    """Teacher-forced logits of every stage: [batch, vocab] each."""
+    state, out = hidden, []
+    for stage in range(speculator.config.num_stages):
+        state = speculator.stage(stage, state, embed(inputs[:, stage]))
+        out.append(head(state))
+    return out
+
+
+@torch.no_grad()
+def stage_accuracy(speculator: MLPSpeculator, embed, head, data: TrainingSet,
+                   batch_size: int = 512) -> list[float]:
+    """Per stage: how often its top token equals the target's next token (teacher-forced)."""
+    correct = torch.zeros(speculator.config.num_stages)
+    for start in range(0, len(data.hidden), batch_size):
+        part = slice(start, start + batch_size)
+        for stage, logits in enumerate(stage_logits(speculator, embed, head, data.hidden[part],
+                                                    data.inputs[part])):
+            correct[stage] += (logits.argmax(-1) == data.labels[part, stage]).sum()
+    return (correct / max(1, len(data.hidden))).tolist()
+
+
+def train(speculator: MLPSpeculator, embed, head, data: TrainingSet, epochs: int, batch_size: int,
+          learning_rate: float, seed: int) -> None:
+    optimizer = torch.optim.AdamW(speculator.parameters(), lr=learning_rate, weight_decay=0.01)
+    num_steps = epochs * ((len(data.hidden) + batch_size - 1) // batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, learning_rate, total_steps=num_steps)
+    generator = torch.Generator().manual_seed(seed)
+    progress = tqdm(total=num_steps, desc="training", disable=None)
+    speculator.train()
+    for _ in range(epochs):
+        order = torch.randperm(len(data.hidden), generator=generator)
+        for start in range(0, len(order), batch_size):
+            batch = order[start:start + batch_size]
+            logits = stage_logits(speculator, embed, head, data.hidden[batch], data.inputs[batch])
+            loss = sum(torch.nn.functional.cross_entropy(stage, data.labels[batch, i])
+                       for i, stage in enumerate(logits)) / len(logits)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+    progress.close()
+    speculator.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specserve train-speculator",
+                                     description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="folder to write the speculator to")
+    parser.add_argument("--model", default=None,
+                        help="the target: HF folder or .gguf (default: the embedded SmolLM2)")
+    parser.add_argument("--num-prompts", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
+    parser.add_argument("--num-stages", type=int, default=3, help="most draft tokens per step")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.num_stages < 1 or args.epochs < 1 or args.num_prompts < 1:
+        raise ValueError("--num-stages, --epochs and --num-prompts must be at least 1")
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    llm = LLM(args.model, dtype="float32", device="cpu", num_threads=args.threads,
+              max_model_len=2048)
+    sequences = generate_answers(llm, build_prompts(args.num_prompts, args.seed), args.max_tokens)
+    del llm
+    reference = load_reference(args.model)
+    for module in reference.parameters():
+        module.requires_grad_(False)
+    embed, head = reference.get_input_embeddings(), reference.get_output_embeddings()
+    data = build_training_set(reference, sequences, args.num_stages)
+    train_set, held_out = data.split(0.1, args.seed)
+    config = MLPSpeculatorConfig(hidden_size=reference.config.hidden_size,
+                                 vocab_size=reference.config.vocab_size,
+                                 num_stages=args.num_stages,
+                                 trained_for=f"{args.model or 'embedded SmolLM2-135M-Instruct'}: "
+                                             f"{args.num_prompts} prompts x {args.max_tokens} "
+                                             f"greedy tokens, {args.epochs} epochs")
+    speculator = MLPSpeculator(config)
+    train(speculator, embed, head, train_set, args.epochs, args.batch_size, args.learning_rate,
+          args.seed)
+    accuracy = stage_accuracy(speculator, embed, head, held_out)
+    speculator.save(args.out)
+    print(f"trained on {len(train_set.hidden)} positions in {time.perf_counter() - started:.0f} s; "
+          f"held-out top-1 agreement per stage: {', '.join(f'{a:.2f}' for a in accuracy)}; "
+          f"saved to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
