@@ -3,8 +3,10 @@ workload (greedy, batch 1, float32), and whether each method's tokens equal plai
 
 Run: python -m benchmarks.bench_methods [--speculator DIR] [--draft DIR] [--max-tokens 128]
      [--repeats 2] [--threads 2] [--workloads code_editing,extraction,open_chat]
-The MLP speculator column needs --speculator (a folder from `specserve train-speculator`); the draft
-model defaults to the layer-skip cut of benchmarks/make_draft.py.
+The MLP speculator row needs --speculator (a folder from `specserve train-speculator`); the draft
+model defaults to the layer-skip cut of benchmarks/make_draft.py. "suffix" drafts from the request's
+own tokens only; "suffix+cache" also from earlier requests' outputs, which here include the same
+prompt's previous repeat: the case of a repeated or agentic request, not of a fresh one.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ def method_configs(args: argparse.Namespace) -> dict[str, dict | None]:
         "plain": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
                   "prompt_lookup_max": 4},
-        "suffix": {"method": "suffix", "num_speculative_tokens": 5},
+        # NOTE: without the cross-request cache: repeats of one prompt would otherwise draft from
+        # the previous repeat's output (the "suffix+cache" row shows that repeated-request case)
+        "suffix": {"method": "suffix", "num_speculative_tokens": 5, "suffix_max_cached_tokens": 0},
+        "suffix+cache": {"method": "suffix", "num_speculative_tokens": 5},
         "draft_model": {"method": "draft_model", "model": draft, "num_speculative_tokens": 3},
     }
     if args.speculator:
