@@ -70,3 +70,23 @@ def build_prompts(num_prompts: int, seed: int = 0) -> list[str]:
     if num_prompts > len(prompts):
         raise ValueError(f"at most {len(prompts)} prompts are available, asked for {num_prompts}")
     return prompts[:num_prompts]
+
+
+def build_documents(max_chars: int = 8000) -> list[tuple[str, str]]:
+    """(user message, assistant text) pairs from module documentation, for teacher-forced
+    self-distillation: the target reads the text as its own answer, and the positions where it
+    would have written exactly that text become training examples (train_speculator.py)."""
+    documents = []
+    for name in MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        docs = [inspect.getdoc(module) or ""]
+        docs += [inspect.getdoc(obj) or "" for n, obj in sorted(vars(module).items())
+                 if not n.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+                 and getattr(obj, "__module__", None) == module.__name__]
+        text = "\n\n".join(d for d in docs if len(d) > 40)[:max_chars]
+        if len(text) > 200:
+            documents.append((f"Explain the Python module `{name}`.", text))
+    return documents

@@ -26,7 +26,7 @@ from engine.llm import LLM
 from engine.models.loader import embedded_cache_dir, embedded_gguf_path
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from engine.sampling_params import SamplingParams
-from engine.training.prompts import build_prompts
+from engine.training.prompts import build_documents, build_prompts
 
 logger = logging.getLogger("specserve.train")
 
@@ -38,12 +38,6 @@ class TrainingSet:
     hidden: torch.Tensor  # [examples, hidden]
     inputs: torch.Tensor  # [examples, k] int64
     labels: torch.Tensor  # [examples, k] int64
-
-    def split(self, held_out: float, seed: int) -> tuple[TrainingSet, TrainingSet]:
-        order = torch.randperm(len(self.hidden), generator=torch.Generator().manual_seed(seed))
-        cut = int(len(order) * (1 - held_out))
-        pick = [order[:cut], order[cut:]]
-        return tuple(TrainingSet(self.hidden[i], self.inputs[i], self.labels[i]) for i in pick)
 
 
 def load_reference(model: str | None) -> transformers.PreTrainedModel:
@@ -63,6 +57,33 @@ def generate_answers(llm: LLM, prompts: list[str], max_tokens: int) -> list[tupl
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
                     SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
     return [(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids)) for o in outs]
+
+
+@torch.no_grad()
+def agreeing_documents(reference: transformers.PreTrainedModel, tokenizer,
+                       documents: list[tuple[str, str]], num_stages: int) -> TrainingSet:
+    """Examples from text the target reads as its own answer, kept only where the next
+    num_stages + 1 tokens are exactly what the target would have chosen greedily: there the text
+    *is* the target's greedy continuation, as in generated answers, at the cost of a forward pass."""
+    hidden, inputs, labels = [], [], []
+    for question, answer in tqdm(documents, desc="documents", disable=None):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                               tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = torch.tensor(prompt_ids + tokenizer.encode(answer, add_special_tokens=False))
+        states = reference.model(ids[None]).last_hidden_state[0]  # [T, hidden]
+        agrees = reference.lm_head(states).argmax(-1)[:-1] == ids[1:]  # [T - 1]: greedy = text
+        window = num_stages + 1
+        for t in range(len(prompt_ids) - 1, len(ids) - window - 1):
+            if bool(agrees[t:t + window].all()):
+                hidden.append(states[t])
+                inputs.append(ids[t + 1:t + 1 + num_stages])
+                labels.append(ids[t + 2:t + 2 + num_stages])
+    if not hidden:
+        return TrainingSet(torch.empty(0, reference.config.hidden_size),
+                           torch.empty(0, num_stages, dtype=torch.int64),
+                           torch.empty(0, num_stages, dtype=torch.int64))
+    return TrainingSet(torch.stack(hidden), torch.stack(inputs), torch.stack(labels))
 
 
 @torch.no_grad()
@@ -147,6 +168,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--documents", action="store_true",
+                        help="also train on standard-library documentation read as the model's own "
+                             "answer, where it agrees with its greedy choices (more data, no "
+                             "generation cost)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -166,8 +191,18 @@ def run(args: argparse.Namespace) -> int:
     for module in reference.parameters():
         module.requires_grad_(False)
     embed, head = reference.get_input_embeddings(), reference.get_output_embeddings()
-    data = build_training_set(reference, sequences, args.num_stages)
-    train_set, held_out = data.split(0.1, args.seed)
+    # NOTE: held out by whole answers: positions of one answer are too alike to test on each other
+    cut = max(1, len(sequences) // 10)
+    train_set = build_training_set(reference, sequences[cut:], args.num_stages)
+    held_out = build_training_set(reference, sequences[:cut], args.num_stages)
+    if args.documents:
+        from engine.models.loader import load_tokenizer
+        extra = agreeing_documents(reference, load_tokenizer(args.model), build_documents(),
+                                   args.num_stages)
+        logger.info("documents add %d agreeing positions", len(extra.hidden))
+        train_set = TrainingSet(torch.cat([train_set.hidden, extra.hidden]),
+                                torch.cat([train_set.inputs, extra.inputs]),
+                                torch.cat([train_set.labels, extra.labels]))
     config = MLPSpeculatorConfig(hidden_size=reference.config.hidden_size,
                                  vocab_size=reference.config.vocab_size,
                                  num_stages=args.num_stages,
