@@ -2,7 +2,7 @@
 workload (greedy, batch 1, float32), and whether each method's tokens equal plain decoding's.
 
 Run: python -m benchmarks.bench_methods [--speculator DIR] [--draft DIR] [--max-tokens 128]
-     [--repeats 2] [--threads 2] [--workloads code_editing,extraction,open_chat]
+     [--repeats 2] [--threads 2] [--workloads code_editing,extraction,open_chat] [--methods ngram,...]
 The MLP speculator row needs --speculator (a folder from `specserve train-speculator`); the draft
 model defaults to the layer-skip cut of benchmarks/make_draft.py. "suffix" drafts from the request's
 own tokens only; "suffix+cache" also from earlier requests' outputs, which here include the same
@@ -50,11 +50,15 @@ def main() -> None:
     parser.add_argument("--speculator", default=None, help="MLP speculator folder")
     parser.add_argument("--draft", default=None, help="draft model folder (default: layer-skip)")
     parser.add_argument("--workloads", default="code_editing,extraction,open_chat")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated subset of the rows (plain always runs)")
     add_model_args(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    wanted = None if args.methods is None else {"plain", *args.methods.split(",")}
     engines = {name: LLM(args.model, **engine_kwargs(args), speculative_config=config)
-               for name, config in method_configs(args).items()}
+               for name, config in method_configs(args).items()
+               if wanted is None or name in wanted}
     prompts = chat_prompts(engines["plain"].tokenizer)
     for llm in engines.values():
         run_engine(llm, prompts["open_chat"], 8)  # warm-up
