@@ -13,17 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.api_requests import ChatCompletionRequest, CompletionRequest
+from server.api_responses import ModelCard, ModelList
 from server.engine_client import EngineClient
-from server.errors import ApiError
+from server.errors import ApiError, ErrorResponse
 from server.metrics import ServerMetrics
 from server.openai_serving import OpenAIServing
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-)
 
 
 def specserve_version() -> str:

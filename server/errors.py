@@ -2,7 +2,48 @@
 
 from __future__ import annotations
 
-from server.protocol import ErrorResponse
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    # the request field at fault, e.g. "temperature" or "messages.0.role"
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+
+    error: ErrorInfo
+
+    @classmethod
+    def build(cls, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+              code: str | int | None = None) -> ErrorResponse:
+        return cls(error=ErrorInfo(message=message, type=type, param=param, code=code))
+
+    @classmethod
+    def from_validation_errors(cls, errors: Sequence[Mapping[str, Any]]) -> ErrorResponse:
+        """From pydantic's `ValidationError.errors()` or FastAPI's `RequestValidationError.errors()`;
+        every message is prefixed by its field, and `param` names the first field at fault."""
+        described = []
+        params = []
+        for error in errors:
+            loc = [str(part) for part in error.get("loc", ())]
+            # FastAPI puts the request part first: ("body", "temperature")
+            if loc and loc[0] == "body":
+                loc = loc[1:]
+            param = ".".join(loc) or None
+            message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+            described.append(f"{param}: {message}" if param else message)
+            params.append(param)
+        return cls.build("; ".join(described) or "invalid request",
+                         param=next((p for p in params if p), None))
+
 
 _DEFAULT_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                   429: "RateLimitError", 503: "ServiceUnavailableError"}

@@ -22,13 +22,10 @@ from engine.output_processor import CompletionTracker
 from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
-from server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
-from server.errors import ApiError
-from server.metrics import ServerMetrics
-from server.protocol import (
+from server.api_requests import ChatCompletionRequest, CompletionRequest
+from server.api_responses import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
@@ -36,7 +33,6 @@ from server.protocol import (
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
@@ -45,6 +41,9 @@ from server.protocol import (
     Usage,
     random_id,
 )
+from server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
+from server.errors import ApiError
+from server.metrics import ServerMetrics
 
 
 @dataclass

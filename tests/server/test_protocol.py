@@ -1,4 +1,4 @@
-"""server/protocol.py: requests fail with errors naming the field, map onto SamplingParams, and
+"""server/api_requests.py and api_responses.py: requests fail with errors naming the field, map onto SamplingParams, and
 responses have shapes the official `openai` SDK parses (checked with its own types and client)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from pydantic import ValidationError
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.spec_stats import SpecStats
-from server.protocol import (
+from server.api_requests import ChatCompletionRequest, CompletionRequest
+from server.api_responses import (
     MIN_LOGPROB,
     ChatChoiceLogprobs,
     ChatCompletionChoice,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
@@ -28,17 +28,16 @@ from server.protocol import (
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
-    ErrorResponse,
     ModelCard,
     ModelList,
     ResponseMetrics,
     TopLogprob,
     Usage,
 )
+from server.errors import ErrorResponse
 
 USER_HI = [{"role": "user", "content": "hi"}]
 

@@ -1,0 +1,225 @@
+"""Pydantic models of OpenAI's responses and stream chunks, plus specserve's `metrics` extra.
+
+They keep OpenAI's shapes and explicit nulls so the official `openai` SDK parses them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+)
+
+from engine.spec_stats import SpecStats
+
+# "abort" is not OpenAI's, but vLLM sends it when the server cancels a request (e.g. on shutdown)
+FinishReason = Literal["stop", "length", "abort"]
+# OpenAI's documented "very unlikely" value; -inf is not valid JSON
+MIN_LOGPROB = -9999.0
+
+
+def random_id(prefix: str) -> str:
+    """OpenAI-style object id, e.g. `cmpl-3f2a...`; one per response, shared by its stream chunks."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class _ResponseModel(BaseModel):
+    """Dumps every field, explicit nulls included, as OpenAI does; only the names in
+    `omitted_when_none` (our extras, and optional delta fields) vanish when they are None."""
+
+    omitted_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    # NOTE: no return annotation on purpose: pydantic would take it as the JSON schema of the model
+    @model_serializer(mode="wrap")
+    def _omit_unset_extras(self, serialize: SerializerFunctionWrapHandler):
+        data = serialize(self)
+        for name in self.omitted_when_none:
+            if data.get(name, 0) is None:
+                del data[name]
+        return data
+
+
+def _finite_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+Logprob = Annotated[float, AfterValidator(_finite_logprob)]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def count(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class SpeculativeDecodingMetrics(BaseModel):
+    """SpecStats.as_dict(): vLLM's per-request names. Rates are null before any draft."""
+
+    # NOTE: keep keys SpecStats adds later (per-position counts, timings) instead of dropping them
+    model_config = ConfigDict(extra="allow")
+
+    num_spec_steps: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
+    draft_acceptance_rate: float | None
+    mean_acceptance_length: float | None
+    acceptance_histogram: list[int]
+
+
+class ResponseMetrics(BaseModel):
+    """The `metrics` response extra, beside `usage`."""
+
+    speculative_decoding: SpeculativeDecodingMetrics
+
+    @classmethod
+    def from_spec_stats(cls, stats: SpecStats | Mapping[str, Any]) -> ResponseMetrics:
+        """Takes SpecStats or its as_dict(), the form that crosses the engine queue."""
+        as_dict = stats.as_dict() if isinstance(stats, SpecStats) else dict(stats)
+        return cls(speculative_decoding=SpeculativeDecodingMetrics.model_validate(as_dict))
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: parallel lists, one entry per token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    # None for the first echoed prompt token, which has no context to be scored in
+    token_logprobs: list[Logprob | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
+    # character offset of each token in the choice's text
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    # the whole text in a response; the new text only in a stream chunk
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    # None in stream chunks until the choice's last one
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(_ResponseModel):
+    omitted_when_none = frozenset({"metrics"})
+
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    metrics: ResponseMetrics | None = None
+
+
+class CompletionStreamResponse(_ResponseModel):
+    """One SSE chunk; OpenAI uses the same object name as the full response."""
+
+    omitted_when_none = frozenset({"metrics"})
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    # empty on the final usage chunk
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    metrics: ResponseMetrics | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: Logprob
+    # UTF-8 bytes of the token; None when it is not valid UTF-8 on its own
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletionResponse(_ResponseModel):
+    omitted_when_none = frozenset({"metrics"})
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: Usage
+    metrics: ResponseMetrics | None = None
+
+
+class DeltaMessage(_ResponseModel):
+    """The first chunk of a choice carries the role, later ones only content, the last one neither."""
+
+    omitted_when_none = frozenset({"role", "content"})
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage = Field(default_factory=DeltaMessage)
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionStreamResponse(_ResponseModel):
+    omitted_when_none = frozenset({"metrics"})
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    # empty on the final usage chunk
+    choices: list[ChatCompletionStreamChoice]
+    # null on every chunk but the final usage chunk
+    usage: Usage | None = None
+    metrics: ResponseMetrics | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "specserve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
