@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"specserve: error: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:  # server.engine_client.EngineStartError: the engine could not load
+        print(f"specserve: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -44,6 +44,10 @@ class EngineDeadError(RuntimeError):
     """The engine process is gone; nothing more will come from it."""
 
 
+class EngineStartError(RuntimeError):
+    """The engine process could not load what it was asked to (its message says why)."""
+
+
 class RequestRejectedError(ValueError):
     """The engine refused a request (its message says why); the server answers 400."""
 
@@ -94,12 +98,12 @@ class EngineClient:
                 if isinstance(message, EngineReady):
                     break
                 if isinstance(message, EngineFailed):
-                    raise RuntimeError(f"the engine failed to start: {message.message}")
+                    raise EngineStartError(f"the engine failed to start: {message.message}")
             if not self._process.is_alive():
-                raise RuntimeError(
+                raise EngineStartError(
                     f"the engine process exited with code {self._process.exitcode} while starting")
             if loop.time() > deadline:
-                raise TimeoutError(f"the engine did not become ready within {timeout:.0f} s")
+                raise EngineStartError(f"the engine did not become ready within {timeout:.0f} s")
         self.ready = message
         self._tasks = [asyncio.create_task(self._route_outputs()),
                        asyncio.create_task(self._watch_process())]
@@ -116,9 +120,8 @@ class EngineClient:
             if self._process.is_alive():
                 self._process.kill()
                 await asyncio.to_thread(self._process.join, 5)
-        self._to_engine.close(linger=0)
-        self._from_engine.close(linger=0)
-        self._context.term()
+        # NOTE: destroy, not term: term waits for every socket, and a start-up failure can leave one
+        self._context.destroy(linger=0)
         with contextlib.suppress(OSError):
             for name in os.listdir(self._socket_dir):
                 os.unlink(os.path.join(self._socket_dir, name))
