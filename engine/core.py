@@ -75,6 +75,8 @@ class EngineCore:
                                 for item in scheduled.scheduled)
         out = self.worker.execute(scheduled, self.scheduler.block_manager)
         sampled = self.sampler(out.logits, scheduled.sampling)
+        if self.proposer is not None and self.proposer.needs_committed_hidden:
+            self._record_target_hidden(scheduled.scheduled, sampled, out.token_hidden)
         updates = self.scheduler.commit(scheduled, sampled)
         verified = time.perf_counter()
         drafted_for = self._propose_drafts(scheduled.sampling, sampled, out.hidden)
@@ -82,6 +84,20 @@ class EngineCore:
         self.last_step_stats = self._step_stats(scheduled.sampling, sampled, updates,
                                                 num_prompt_tokens, start, verified)
         return updates
+
+    def _record_target_hidden(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
+                              token_hidden: torch.Tensor) -> None:
+        """Before commit: each request's rows of committed tokens (a prefill chunk whole; of a
+        verification, the known token and the accepted drafts), from the position they start at."""
+        kept = iter(sampled)
+        row = 0
+        for item in items:
+            num_valid = item.num_known_tokens
+            if item.is_sampling:
+                num_valid += len(next(kept).token_ids) - 1
+            self.proposer.record_target_hidden(item.request, item.request.num_computed_tokens,
+                                               token_hidden[row:row + num_valid])
+            row += item.num_new_tokens
 
     def _propose_drafts(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
                         hidden: torch.Tensor) -> list[Request]:

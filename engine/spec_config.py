@@ -4,6 +4,7 @@
     {"method": "draft_model", "model": "/path/to/small-model", "num_speculative_tokens": 4}
     {"method": "suffix", "num_speculative_tokens": 4, "suffix_max_depth": 24}
     {"method": "mlp_speculator", "model": "/path/to/speculator", "num_speculative_tokens": 3}
+    {"method": "eagle", "model": "/path/to/eagle-head", "num_speculative_tokens": 3}
 
 Unknown keys and bad values fail here, at start-up, with the name of what was wrong.
 """
@@ -18,8 +19,6 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "eagle", "mlp_speculator", "suffix")
-# methods whose proposer exists in this build
-BUILT_METHODS = ("ngram", "draft_model", "suffix", "mlp_speculator")
 MAX_SPECULATIVE_TOKENS = 16
 # suffix trees cost O(depth) per committed token in Python: deeper buys little and costs every step
 MAX_SUFFIX_DEPTH = 64
@@ -48,18 +47,15 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, "
                              f"got {self.method!r}")
-        if self.method not in BUILT_METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not built yet; "
-                             f"available: {', '.join(BUILT_METHODS)}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
                              f"got {self.num_speculative_tokens}")
         if self.method == "draft_model" and not self.model:
             raise ValueError('speculative method "draft_model" needs "model": a local folder or '
                              '.gguf file of a smaller model with the same tokenizer')
-        if self.method == "mlp_speculator" and not self.model:
-            raise ValueError('speculative method "mlp_speculator" needs "model": a folder written by '
-                             '`specserve train-speculator`')
+        if self.method in ("mlp_speculator", "eagle") and not self.model:
+            raise ValueError(f'speculative method "{self.method}" needs "model": a folder written '
+                             f'by `specserve train-speculator --method {self.method}`')
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

@@ -25,6 +25,9 @@ class ModelRunnerOutput:
     # [num_sampling_rows, hidden]: the final-norm hidden states those logits came from (proposers
     # that draft from the target's features read them)
     hidden: torch.Tensor
+    # [num_tokens, hidden]: the final-norm hidden state of every row of the flattened batch, in
+    # the scheduled order (EAGLE reads the features of every committed position)
+    token_hidden: torch.Tensor
 
 
 class Worker:
@@ -73,5 +76,6 @@ class Worker:
         inputs = build_model_inputs(output, block_manager, self.arch.sliding_window, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches)
         rows = hidden[inputs.logits_indices]  # [rows, hidden]
-        return ModelRunnerOutput(logits=self.model.compute_logits(rows), hidden=rows)
+        return ModelRunnerOutput(logits=self.model.compute_logits(rows), hidden=rows,
+                                 token_hidden=hidden)
 

@@ -35,7 +35,14 @@ def build_proposer(config: SpeculativeConfig, worker: Worker) -> Proposer:
         return MLPSpeculatorProposer(config.model, model.embed_tokens, model.lm_head,
                                      worker.arch.hidden_size, worker.arch.vocab_size, worker.dtype,
                                      worker.device)
-    raise ValueError(f"speculative method {config.method!r} is not built yet")
+    if config.method == "eagle":
+        from engine.proposers.eagle import EagleProposer
+
+        model = worker.model
+        return EagleProposer(config.model, worker.arch, model.embed_tokens, model.lm_head,
+                             worker.dtype, worker.device, worker.kv_spec.num_blocks,
+                             worker.kv_spec.block_size)
+    raise ValueError(f"unknown speculative method {config.method!r}")
 
 
 __all__ = ["DraftProposal", "Proposer", "build_proposer"]

@@ -21,6 +21,10 @@ class DraftProposal:
 
 
 class Proposer(ABC):
+    # True for proposers that read the target's features at every committed position (EAGLE): the
+    # engine then hands them over through record_target_hidden after each step
+    needs_committed_hidden: bool = False
+
     @abstractmethod
     def propose(self, requests: list[Request], max_num_tokens: list[int],
                 target_hidden: torch.Tensor | None) -> list[DraftProposal]:
@@ -29,6 +33,11 @@ class Proposer(ABC):
         Invariant: reads requests, never changes them or any target state; returns one proposal per
         request, in order, each no longer than its cap.
         """
+
+    def record_target_hidden(self, request: Request, start_position: int,
+                             hidden: torch.Tensor) -> None:
+        """The target's final-norm hidden states at positions start_position .. + len(hidden) - 1,
+        every one of a committed token (rejected drafts' rows are left out). Default: unused."""
 
     def free(self, request_id: str) -> None:
         """The request ended; drop anything kept for it. Default: nothing kept."""

@@ -1,5 +1,7 @@
-"""Train an MLP speculator for a served model on text the model itself generates (self-distillation).
+"""Train a speculator for a served model on text the model itself generates (self-distillation):
+an MLP speculator (default) or, with --method eagle, an EAGLE head (engine/training/train_eagle.py).
 
+MLP speculator:
 1. The engine answers chat prompts greedily (engine/training/prompts.py), batched.
 2. One transformers forward over each prompt + answer gives the target's final hidden states.
 3. At each answer position t, stage i learns to predict token t + 2 + i from the state so far and the
@@ -7,7 +9,7 @@
    the speculator learns to guess what the target will say, which is what acceptance measures.
    The target's embedding and LM head are shared and frozen; only the stages train.
 
-Run: specserve train-speculator --out DIR [--model PATH] [--num-prompts 96] [--max-tokens 128]
+Run: specserve train-speculator --out DIR [--method eagle] [--model PATH] [--num-prompts 96]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from engine.models.loader import embedded_cache_dir, embedded_gguf_path
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from engine.sampling_params import SamplingParams
 from engine.training.prompts import build_documents, build_prompts
+from engine.training.train_eagle import add_eagle_arguments, check_eagle_arguments, run_eagle
 
 logger = logging.getLogger("specserve.train")
 
@@ -52,11 +55,33 @@ def load_reference(model: str | None) -> transformers.PreTrainedModel:
         model, dtype=torch.float32, local_files_only=True).eval()
 
 
-def generate_answers(llm: LLM, prompts: list[str], max_tokens: int) -> list[tuple[list[int], int]]:
-    """(prompt + greedy answer token ids, prompt length) per prompt."""
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts],
-                    SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=True)
-    return [(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids)) for o in outs]
+def generate_answers(llm: LLM, prompts: list[str], max_tokens: int, num_sampled: int = 0,
+                     seed: int = 0) -> list[tuple[list[int], int]]:
+    """(prompt + answer token ids, prompt length): per prompt its greedy answer, then
+    `num_sampled` answers sampled at temperature 0.8 (more text, still the target's own words)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens)]
+    if num_sampled:
+        params.append(SamplingParams(temperature=0.8, top_p=0.95, max_tokens=max_tokens,
+                                     n=num_sampled, seed=seed))
+    sequences = []
+    for param in params:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], param,
+                        use_tqdm=True)
+        sequences += [(o.prompt_token_ids + c.token_ids, len(o.prompt_token_ids))
+                      for o in outs for c in o.outputs]
+    return sequences
+
+
+def document_sequences(tokenizer, documents: list[tuple[str, str]]) -> list[tuple[list[int], int]]:
+    """(chat prompt + document text token ids, prompt length): the text read as the answer."""
+    sequences = []
+    for question, answer in documents:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                               tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        sequences.append((prompt_ids + tokenizer.encode(answer, add_special_tokens=False),
+                          len(prompt_ids)))
+    return sequences
 
 
 @torch.no_grad()
@@ -66,15 +91,13 @@ def agreeing_documents(reference: transformers.PreTrainedModel, tokenizer,
     num_stages + 1 tokens are exactly what the target would have chosen greedily: there the text
     *is* the target's greedy continuation, as in generated answers, at the cost of a forward pass."""
     hidden, inputs, labels = [], [], []
-    for question, answer in tqdm(documents, desc="documents", disable=None):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}],
-                                               tokenize=False, add_generation_prompt=True)
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
-        ids = torch.tensor(prompt_ids + tokenizer.encode(answer, add_special_tokens=False))
+    for token_ids, prompt_len in tqdm(document_sequences(tokenizer, documents), desc="documents",
+                                      disable=None):
+        ids = torch.tensor(token_ids)
         states = reference.model(ids[None]).last_hidden_state[0]  # [T, hidden]
         agrees = reference.lm_head(states).argmax(-1)[:-1] == ids[1:]  # [T - 1]: greedy = text
         window = num_stages + 1
-        for t in range(len(prompt_ids) - 1, len(ids) - window - 1):
+        for t in range(prompt_len - 1, len(ids) - window - 1):
             if bool(agrees[t:t + window].all()):
                 hidden.append(states[t])
                 inputs.append(ids[t + 1:t + 1 + num_stages])
@@ -160,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder to write the speculator to")
+    parser.add_argument("--method", choices=("mlp_speculator", "eagle"), default="mlp_speculator",
+                        help="what to train (the --speculative-config method it serves)")
     parser.add_argument("--model", default=None,
                         help="the target: HF folder or .gguf (default: the embedded SmolLM2)")
     parser.add_argument("--num-prompts", type=int, default=96)
@@ -174,6 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "generation cost)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    add_eagle_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -181,34 +207,42 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.num_stages < 1 or args.epochs < 1 or args.num_prompts < 1:
         raise ValueError("--num-stages, --epochs and --num-prompts must be at least 1")
+    if args.method == "eagle":
+        check_eagle_arguments(args)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     llm = LLM(args.model, dtype="float32", device="cpu", num_threads=args.threads,
               max_model_len=2048)
-    sequences = generate_answers(llm, build_prompts(args.num_prompts, args.seed), args.max_tokens)
+    num_sampled = args.answers_per_prompt - 1 if args.method == "eagle" else 0
+    sequences = generate_answers(llm, build_prompts(args.num_prompts, args.seed), args.max_tokens,
+                                 num_sampled, args.seed)
+    tokenizer = llm.tokenizer
     del llm
     reference = load_reference(args.model)
     for module in reference.parameters():
         module.requires_grad_(False)
+    trained_for = (f"{args.model or 'embedded SmolLM2-135M-Instruct'}: {args.num_prompts} prompts "
+                   f"x {args.max_tokens} tokens{' + documents' if args.documents else ''}, "
+                   f"{args.epochs} epochs")
+    if args.method == "eagle":
+        if args.documents:
+            sequences += document_sequences(tokenizer, build_documents())
+        print(run_eagle(args, reference, tokenizer, [ids for ids, _ in sequences], trained_for))
+        return 0
     embed, head = reference.get_input_embeddings(), reference.get_output_embeddings()
     # NOTE: held out by whole answers: positions of one answer are too alike to test on each other
     cut = max(1, len(sequences) // 10)
     train_set = build_training_set(reference, sequences[cut:], args.num_stages)
     held_out = build_training_set(reference, sequences[:cut], args.num_stages)
     if args.documents:
-        from engine.models.loader import load_tokenizer
-        extra = agreeing_documents(reference, load_tokenizer(args.model), build_documents(),
-                                   args.num_stages)
+        extra = agreeing_documents(reference, tokenizer, build_documents(), args.num_stages)
         logger.info("documents add %d agreeing positions", len(extra.hidden))
         train_set = TrainingSet(torch.cat([train_set.hidden, extra.hidden]),
                                 torch.cat([train_set.inputs, extra.inputs]),
                                 torch.cat([train_set.labels, extra.labels]))
     config = MLPSpeculatorConfig(hidden_size=reference.config.hidden_size,
                                  vocab_size=reference.config.vocab_size,
-                                 num_stages=args.num_stages,
-                                 trained_for=f"{args.model or 'embedded SmolLM2-135M-Instruct'}: "
-                                             f"{args.num_prompts} prompts x {args.max_tokens} "
-                                             f"greedy tokens, {args.epochs} epochs")
+                                 num_stages=args.num_stages, trained_for=trained_for)
     speculator = MLPSpeculator(config)
     train(speculator, embed, head, train_set, args.epochs, args.batch_size, args.learning_rate,
           args.seed)

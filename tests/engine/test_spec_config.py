@@ -24,7 +24,7 @@ def test_vllm_style_json_parses():
     ('{"num_speculative_tokens": 3}', "needs 'method'"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "lookahead": 2}', "unknown .*lookahead"),
     ('{"method": "magic", "num_speculative_tokens": 3}', "method must be one of"),
-    ('{"method": "eagle", "num_speculative_tokens": 3}', "not built yet"),
+    ('{"method": "eagle", "num_speculative_tokens": 3}', "train-speculator --method eagle"),
     ('{"method": "draft_model", "num_speculative_tokens": 3}', "needs \"model\""),
     ('{"method": "ngram", "num_speculative_tokens": 0}', r"num_speculative_tokens must be in"),
     ('{"method": "ngram", "num_speculative_tokens": "5"}', "must be int"),

@@ -1,0 +1,135 @@
+"""The EAGLE draft head: one decoder layer that extrapolates the target's own features.
+
+At position p it reads the embedding of token x_p and the target's final-norm hidden state f_{p-1}
+(the feature that produced x_p), mixes them through one linear layer, and runs one Llama decoder
+layer with its own KV cache over everything before:
+
+    h_p = layer(fc([embed(x_p); f_{p-1}]))        h_p ≈ f_p,   logits(x_{p+1}) = lm_head(h_p)
+
+Past the tokens the target has verified, the head feeds its own h back in place of f, so drafting k
+tokens costs k passes of one layer. The target's embedding and LM head are shared, frozen; the head
+only scores a draft vocabulary (the tokens the target says most often, as EAGLE-3 does), which
+keeps the per-token LM-head pass small on the CPU.
+
+A head folder holds `eagle_config.json` and `model.safetensors`, written by
+`specserve train-speculator --method eagle` (engine/training/train_eagle.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.models.arch import LlamaArch
+from engine.models.llama import DecoderLayer, RotaryEmbedding
+
+CONFIG_FILE = "eagle_config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    # the target's hidden size and vocabulary: a head only fits the model it was trained on
+    hidden_size: int
+    vocab_size: int
+    # the head's own decoder layer
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    # tokens the head can propose (the first draft_vocab_size of model.safetensors' draft_token_ids)
+    draft_vocab_size: int
+    # what it was trained on, in words (shown in logs)
+    trained_for: str = ""
+
+    @classmethod
+    def for_target(cls, arch: LlamaArch, draft_vocab_size: int, trained_for: str = "") -> EagleConfig:
+        """A head shaped like one layer of the target."""
+        return cls(hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+                   num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+                   head_dim=arch.head_dim, intermediate_size=arch.intermediate_size,
+                   rms_norm_eps=arch.rms_norm_eps, draft_vocab_size=draft_vocab_size,
+                   trained_for=trained_for)
+
+    def layer_arch(self, target: LlamaArch) -> LlamaArch:
+        """The head's layer takes the target's rotary frequencies and context length."""
+        return replace(target, num_layers=1, num_heads=self.num_heads,
+                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                       intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
+                       qkv_bias=False, sliding_window=None)
+
+    def check_fits(self, target: LlamaArch, folder: str) -> None:
+        if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
+            raise ValueError(
+                f"the EAGLE head in {folder} was trained for hidden size {self.hidden_size} and "
+                f"vocabulary {self.vocab_size}; the target has {target.hidden_size} and "
+                f"{target.vocab_size}")
+
+    def save(self, folder: str) -> None:
+        with open(os.path.join(folder, CONFIG_FILE), "w") as f:
+            json.dump({"type": "eagle", **asdict(self)}, f, indent=2)
+
+    @classmethod
+    def load(cls, folder: str) -> EagleConfig:
+        path = os.path.join(folder, CONFIG_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}: not an EAGLE head folder "
+                                    "(make one with `specserve train-speculator --method eagle`)")
+        with open(path) as f:
+            data = json.load(f)
+        if data.pop("type", None) != "eagle":
+            raise ValueError(f"{path} does not describe an eagle head")
+        return cls(**data)
+
+
+class EagleHead(nn.Module):
+    def __init__(self, config: EagleConfig, target: LlamaArch) -> None:
+        super().__init__()
+        self.config = config
+        arch = config.layer_arch(target)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.layer = DecoderLayer(arch)
+        self.rotary = RotaryEmbedding(arch)
+        # target token id of each draft-vocabulary entry
+        self.register_buffer("draft_token_ids",
+                             torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+
+    def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """token_embeds, features: [T, hidden] (x_p's embedding, f_{p-1}); returns h [T, hidden]."""
+        x = self.fc(torch.cat([token_embeds, features], dim=-1))
+        cos, sin = self.rotary(positions, x.dtype)
+        return self.layer(x, cos, sin, meta, kv_cache)
+
+    def draft_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """The target's LM-head rows of the draft vocabulary: [draft_vocab, hidden]."""
+        return lm_head_weight.index_select(0, self.draft_token_ids)
+
+    def save(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.config.save(folder)
+        save_file({name: t.detach().contiguous() for name, t in self.state_dict().items()},
+                  os.path.join(folder, WEIGHTS_FILE))
+
+    @classmethod
+    def load(cls, folder: str, target: LlamaArch, dtype: torch.dtype,
+             device: torch.device) -> EagleHead:
+        config = EagleConfig.load(folder)
+        config.check_fits(target, folder)
+        head = cls(config, target)
+        head.load_state_dict(load_file(os.path.join(folder, WEIGHTS_FILE)))
+        ids = head.draft_token_ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+            raise ValueError(f"the draft vocabulary in {folder} has token ids outside the target's")
+        head = head.to(device=device, dtype=dtype).eval()
+        # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the target
+        head.rotary.inv_freq = torch.tensor(target.rope_inv_freq, dtype=torch.float32,
+                                            device=device)
+        return head

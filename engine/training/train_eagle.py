@@ -1,0 +1,270 @@
+"""Train an EAGLE head (engine/proposers/eagle_head.py) for a served model by self-distillation.
+
+1. Text: the model's own answers to chat prompts (and, with --documents, standard-library
+   documentation read as its answer). Any text works, because the labels come from the target:
+2. one transformers forward per sequence gives the target's final-norm feature f_p at every
+   position and its distribution over the next token there;
+3. the head learns, at every position at once, to map (x_p, f_{p-1}) to f_p (smooth L1) and to the
+   target's next-token distribution over the draft vocabulary (soft cross-entropy), as EAGLE does.
+
+Drafting 2..k feeds the head its own outputs, not the target's features. Training unrolls that too
+("training-time test", EAGLE-3): step s reads the head's step s-1 output at the previous position,
+and attends to step-1 keys of the earlier positions and to its own chain, exactly the cache the
+head sees while drafting. The decoder layer is the engine's own, so training and serving share
+every line of the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from engine.attention import AttentionMetadata
+from engine.models.arch import LlamaArch
+from engine.proposers.eagle_head import EagleConfig, EagleHead
+
+logger = logging.getLogger("specserve.train")
+
+
+@dataclass
+class FeatureStream:
+    """Sequences laid end to end, position by position."""
+
+    token_ids: torch.Tensor  # [N] int64
+    features: torch.Tensor  # [N, hidden] float32: the target's final-norm hidden state
+    labels: torch.Tensor  # [N] int64: the target's greedy choice for the next token
+    doc_ids: torch.Tensor  # [N] int64: which sequence each position belongs to
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def previous_features(self) -> torch.Tensor:
+        """f_{p-1} at every position; zero at the first position of a sequence."""
+        shifted = torch.cat([torch.zeros_like(self.features[:1]), self.features[:-1]])
+        starts = torch.ones(len(self), dtype=torch.bool)
+        starts[1:] = self.doc_ids[1:] != self.doc_ids[:-1]
+        shifted[starts] = 0
+        return shifted
+
+
+@torch.no_grad()
+def extract_features(reference, sequences: list[list[int]], max_len: int = 1024) -> FeatureStream:
+    """One target forward per sequence (truncated to max_len tokens)."""
+    tokens, features, labels, doc_ids = [], [], [], []
+    for doc, token_ids in enumerate(tqdm(sequences, desc="target features", disable=None)):
+        ids = torch.tensor(token_ids[:max_len])
+        states = reference.model(ids[None]).last_hidden_state[0].float()  # [T, hidden]
+        tokens.append(ids)
+        features.append(states)
+        labels.append(reference.lm_head(states).argmax(-1))
+        doc_ids.append(torch.full((len(ids),), doc, dtype=torch.int64))
+    return FeatureStream(torch.cat(tokens), torch.cat(features), torch.cat(labels),
+                         torch.cat(doc_ids))
+
+
+def choose_draft_vocab(labels: torch.Tensor, size: int, always: tuple[int, ...],
+                       vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` tokens the target chooses most often (plus `always`, e.g. EOS), and the share of
+    the target's choices in `labels` they cover."""
+    counts = torch.bincount(labels, minlength=vocab_size).float()
+    counts[list(always)] = float("inf")
+    ids = counts.argsort(descending=True)[:min(size, vocab_size)].sort().values
+    covered = torch.isin(labels, ids).float().mean().item()
+    return ids, covered
+
+
+class UnrolledChain:
+    """Attention layouts for training-time test over a batch of windows of `window` positions.
+
+    The cache has one block of `window` slots per (window, step): step t's keys for position j sit
+    in block t-1 at offset j. Step s at position i attends to step-1 keys at j <= i - s + 1 (true
+    features), and to step t's key at i - s + t for t = 2..s (its own drafted chain).
+    """
+
+    def __init__(self, batch: int, window: int, num_steps: int, doc_ids: torch.Tensor) -> None:
+        self.batch, self.window, self.num_steps = batch, window, num_steps
+        self.doc_ids = doc_ids  # [batch, window]
+        self.tables = torch.arange(batch * num_steps).view(batch, num_steps)
+
+    def metadata(self, step: int) -> AttentionMetadata:
+        batch, window = self.batch, self.window
+        slots = (self.tables[:, step - 1:step] * window + torch.arange(window)).reshape(-1)
+        query = torch.arange(window)[:, None]  # [W, 1]
+        key = torch.arange(window)[None, :]  # [1, W]
+        regions = [key <= query - step + 1]
+        regions += [key == query - step + t for t in range(2, step + 1)]
+        mask = torch.cat(regions, dim=1)[None].expand(batch, -1, -1)  # [B, W, step*W]
+        # NOTE: every query keeps its own key (the last region's diagonal), so no row is empty
+        same_doc = self.doc_ids[:, :, None] == self.doc_ids.repeat(1, step)[:, None, :]
+        mask = mask & same_doc
+        return AttentionMetadata(num_seqs=batch, max_query_len=window, kv_len=step * window,
+                                 slot_mapping=slots, block_gather_index=self.tables,
+                                 query_pad_index=None, attn_mask=mask[:, None], is_causal=False)
+
+    def valid(self, step: int) -> torch.Tensor:
+        """[batch, window] bool: positions whose chain of `step` lies inside one document."""
+        ok = torch.zeros(self.batch, self.window, dtype=torch.bool)
+        first = step - 1
+        ok[:, first:] = self.doc_ids[:, first:] == self.doc_ids[:, :self.window - first]
+        return ok
+
+
+def unrolled_hidden(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor,
+                    chain: UnrolledChain) -> list[torch.Tensor]:
+    """The head's output at every position for steps 1..num_steps: [batch * window, hidden] each.
+    embeds: x_p's embeddings; features: f_{p-1} for step 1 (true features), flattened."""
+    config = head.config
+    kv_cache = features.new_zeros(2, config.num_kv_heads, chain.batch * chain.num_steps,
+                                  chain.window, config.head_dim)
+    positions = torch.arange(chain.window, device=features.device).repeat(chain.batch)
+    outputs = []
+    for step in range(1, chain.num_steps + 1):
+        hidden = head(embeds, features, positions, chain.metadata(step), kv_cache)
+        outputs.append(hidden)
+        # the next step reads this step's output at the previous position
+        features = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])
+    return outputs
+
+
+def unrolled_losses(head: EagleHead, embed: torch.nn.Module, draft_head: torch.Tensor,
+                    stream: FeatureStream, previous: torch.Tensor, starts: torch.Tensor,
+                    window: int, num_steps: int, noise: float,
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Per step: feature loss, distribution loss and top-1 agreement with the target's greedy
+    token (over valid positions) for the windows starting at `starts`."""
+    index = starts[:, None] + torch.arange(window)  # [B, W]
+    batch = len(starts)
+    chain = UnrolledChain(batch, window, num_steps, stream.doc_ids[index])
+    embeds = embed(stream.token_ids[index]).reshape(batch * window, -1)
+    target_features = stream.features[index].reshape(batch * window, -1)
+    with torch.no_grad():
+        target_probs = (target_features @ draft_head.T).softmax(-1)
+    labels = stream.labels[index].reshape(-1)
+    features = previous[index].reshape(batch * window, -1)
+    if noise:
+        features = features + (torch.rand_like(features) - 0.5) * 2 * noise
+    feature_losses, token_losses, agreements = [], [], []
+    for step, hidden in enumerate(unrolled_hidden(head, embeds, features, chain), start=1):
+        valid = chain.valid(step).reshape(-1)
+        logits = hidden[valid] @ draft_head.T
+        feature_losses.append(F.smooth_l1_loss(hidden[valid], target_features[valid]))
+        token_losses.append(torch.sum(-target_probs[valid] * logits.log_softmax(-1), -1).mean())
+        guess = head.draft_token_ids[logits.argmax(-1)]
+        agreements.append((guess == labels[valid]).float().mean())
+    return feature_losses, token_losses, agreements
+
+
+def window_starts(stream: FeatureStream, window: int, generator: torch.Generator) -> torch.Tensor:
+    """Every window of the stream once, in random order, from a random offset."""
+    offset = int(torch.randint(window, (1,), generator=generator))
+    starts = torch.arange(offset, len(stream) - window + 1, window)
+    return starts[torch.randperm(len(starts), generator=generator)]
+
+
+def train_head(head: EagleHead, embed, draft_head: torch.Tensor, stream: FeatureStream,
+               epochs: int, batch_size: int, window: int, num_steps: int, learning_rate: float,
+               feature_weight: float, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    previous = stream.previous_features()
+    noise = 0.1 * stream.features.pow(2).mean().sqrt().item()
+    optimizer = torch.optim.AdamW(head.parameters(), lr=learning_rate, weight_decay=0.0)
+    batches_per_epoch = max(1, (len(stream) // window) // batch_size)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, learning_rate,
+                                                   total_steps=epochs * batches_per_epoch,
+                                                   pct_start=0.1)
+    progress = tqdm(total=epochs * batches_per_epoch, desc="training", disable=None)
+    head.train()
+    for _ in range(epochs):
+        starts = window_starts(stream, window, generator)
+        for batch in range(batches_per_epoch):
+            feature_losses, token_losses, agreement = unrolled_losses(
+                head, embed, draft_head, stream, previous,
+                starts[batch * batch_size:(batch + 1) * batch_size], window, num_steps, noise)
+            loss = sum(feature_weight * f + t for f, t in zip(feature_losses, token_losses))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            progress.update(1)
+            progress.set_postfix(loss=f"{loss.item():.3f}",
+                                 top1="/".join(f"{a.item():.2f}" for a in agreement))
+    progress.close()
+    head.eval()
+
+
+@torch.no_grad()
+def chain_accuracy(head: EagleHead, embed, draft_head: torch.Tensor, stream: FeatureStream,
+                   window: int, num_steps: int) -> list[float]:
+    """Per drafting step: how often the head's top token is the target's greedy token, when the
+    steps before it guessed right (teacher-forced tokens, the head's own features)."""
+    previous = stream.previous_features()
+    starts = torch.arange(0, len(stream) - window + 1, window)
+    totals = torch.zeros(num_steps)
+    for chunk in starts.split(16):
+        _, _, agreement = unrolled_losses(head, embed, draft_head, stream, previous, chunk,
+                                          window, num_steps, 0.0)
+        totals += torch.stack(agreement) * len(chunk)
+    return (totals / max(1, len(starts))).tolist()
+
+
+def add_eagle_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("eagle")
+    group.add_argument("--draft-vocab-size", type=int, default=8192,
+                       help="tokens the head can propose: the target's most frequent choices")
+    group.add_argument("--unroll-steps", type=int, default=3,
+                       help="drafting steps trained together (training-time test)")
+    group.add_argument("--window", type=int, default=128, help="positions per training window")
+    group.add_argument("--feature-weight", type=float, default=1.0,
+                       help="weight of the feature regression beside the distribution loss")
+    group.add_argument("--answers-per-prompt", type=int, default=1,
+                       help="answers generated per prompt: the first greedy, the rest sampled")
+
+
+def check_eagle_arguments(args: argparse.Namespace) -> None:
+    """Before the slow part: bad numbers fail at once, naming the flag."""
+    for flag, value, least in (("--draft-vocab-size", args.draft_vocab_size, 1),
+                               ("--unroll-steps", args.unroll_steps, 1),
+                               ("--window", args.window, 8),
+                               ("--answers-per-prompt", args.answers_per_prompt, 1)):
+        if value < least:
+            raise ValueError(f"{flag} must be at least {least}, got {value}")
+    if args.unroll_steps >= args.window:
+        raise ValueError(f"--unroll-steps ({args.unroll_steps}) must be below --window "
+                         f"({args.window})")
+
+
+def run_eagle(args: argparse.Namespace, reference, tokenizer, sequences: list[list[int]],
+              trained_for: str) -> str:
+    """Train and save a head from sequences of token ids; returns the summary line."""
+    started = time.perf_counter()
+    arch = LlamaArch.from_hf_config(reference.config)
+    cut = max(1, len(sequences) // 10)
+    # NOTE: held out by whole sequences: positions of one text are too alike to test on each other
+    held_out = extract_features(reference, sequences[:cut])
+    stream = extract_features(reference, sequences[cut:])
+    if len(stream) < args.window * 2 or len(held_out) < args.window:
+        raise ValueError("too little text to train on: raise --num-prompts or --max-tokens")
+    draft_ids, coverage = choose_draft_vocab(stream.labels, args.draft_vocab_size,
+                                             arch.eos_token_ids, arch.vocab_size)
+    config = EagleConfig.for_target(arch, len(draft_ids), trained_for=trained_for)
+    head = EagleHead(config, arch)
+    head.draft_token_ids.copy_(draft_ids)
+    embed = reference.get_input_embeddings()
+    draft_head = head.draft_head_weight(reference.get_output_embeddings().weight.detach())
+    logger.info("%d training positions; the draft vocabulary of %d covers %.1f%% of the target's "
+                "choices", len(stream), len(draft_ids), 100 * coverage)
+    train_head(head, embed, draft_head, stream, args.epochs, args.batch_size, args.window,
+               args.unroll_steps, args.learning_rate, args.feature_weight, args.seed)
+    accuracy = chain_accuracy(head, embed, draft_head, held_out, args.window, args.unroll_steps)
+    head.save(args.out)
+    return (f"trained an EAGLE head on {len(stream)} positions in "
+            f"{time.perf_counter() - started:.0f} s (draft vocabulary covers {100 * coverage:.1f}% "
+            f"of the target's choices); held-out top-1 agreement per drafting step: "
+            f"{', '.join(f'{a:.2f}' for a in accuracy)}; saved to {args.out}")
