@@ -55,10 +55,12 @@ class FeatureStream:
 
 @torch.no_grad()
 def extract_features(reference, sequences: list[list[int]], max_len: int = 1024) -> FeatureStream:
-    """One target forward per sequence (truncated to max_len tokens)."""
+    """One target forward per sequence; a longer one is read in pieces of max_len tokens."""
+    pieces = [ids[start:start + max_len] for ids in sequences
+              for start in range(0, len(ids), max_len)]
     tokens, features, labels, doc_ids = [], [], [], []
-    for doc, token_ids in enumerate(tqdm(sequences, desc="target features", disable=None)):
-        ids = torch.tensor(token_ids[:max_len])
+    for doc, token_ids in enumerate(tqdm(pieces, desc="target features", disable=None)):
+        ids = torch.tensor(token_ids)
         states = reference.model(ids[None]).last_hidden_state[0].float()  # [T, hidden]
         tokens.append(ids)
         features.append(states)
@@ -216,7 +218,7 @@ def chain_accuracy(head: EagleHead, embed, draft_head: torch.Tensor, stream: Fea
 
 def add_eagle_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("eagle")
-    group.add_argument("--draft-vocab-size", type=int, default=8192,
+    group.add_argument("--draft-vocab-size", type=int, default=4096,
                        help="tokens the head can propose: the target's most frequent choices")
     group.add_argument("--unroll-steps", type=int, default=3,
                        help="drafting steps trained together (training-time test)")
