@@ -10,6 +10,7 @@ and optionally "max_tokens": N to override the run's cap for that request.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 from dataclasses import dataclass
@@ -73,12 +74,26 @@ def synthetic_requests(num_requests: int, num_words: int = 64, seed: int = 0) ->
 
 def workload_requests() -> list[LoadRequest]:
     """Code editing, extraction and open chat, as the speculative benchmark sends them."""
+    workloads = _benchmark_workloads()
+    return [LoadRequest(None, text, None, f"workload:{name}") for name, text in workloads.items()]
+
+
+def _benchmark_workloads() -> dict[str, str]:
+    """benchmarks/ is not an installed package: import it when the source tree is on the path,
+    else load it from the tree this (editable) package lives in."""
     try:
         from benchmarks.workloads import WORKLOADS
-    except ImportError as error:
-        raise DatasetError("the workloads dataset imports benchmarks/workloads.py: run from the "
-                           f"specserve source tree ({error})") from error
-    return [LoadRequest(None, text, None, f"workload:{name}") for name, text in WORKLOADS.items()]
+        return WORKLOADS
+    except ImportError:
+        pass
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads.py"
+    if not path.is_file():
+        raise DatasetError("the workloads dataset needs the specserve source tree "
+                           f"(benchmarks/workloads.py, looked in {path.parent})")
+    spec = importlib.util.spec_from_file_location("specserve_benchmark_workloads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.WORKLOADS
 
 
 def read_jsonl(path: str | Path) -> list[LoadRequest]:
