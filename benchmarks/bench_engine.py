@@ -22,8 +22,8 @@ from benchmarks.common import (
     synchronize,
     time_transformers,
 )
-from benchmarks.workloads import chat_prompts
 from engine import LLM, SamplingParams
+from loadtest.workloads import chat_prompts
 
 
 def time_engine(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:

@@ -21,8 +21,8 @@ import torch
 from benchmarks.bench_spec import run_engine
 from benchmarks.common import add_model_args, engine_kwargs, hardware_name
 from benchmarks.make_draft import make_layer_skip_draft
-from benchmarks.workloads import chat_prompts
 from engine import LLM
+from loadtest.workloads import chat_prompts
 
 
 def method_configs(args: argparse.Namespace) -> dict[str, dict | None]:

@@ -28,8 +28,8 @@ from benchmarks.common import (
     time_transformers,
 )
 from benchmarks.make_draft import make_layer_skip_draft
-from benchmarks.workloads import chat_prompts
 from engine import LLM, SamplingParams
+from loadtest.workloads import chat_prompts
 
 
 def run_transformers(model, prompt: list[int], max_tokens: int, lookup: int | None) -> float:

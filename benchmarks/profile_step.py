@@ -13,8 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import add_model_args, engine_kwargs, hardware_name, synchronize
-from benchmarks.workloads import chat_prompts
 from engine import LLM, SamplingParams
+from loadtest.workloads import chat_prompts
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """What to send: the built-in synthetic prompts, a JSONL file of prompts or conversations, or the
-three workloads of the speculative benchmark (benchmarks/workloads.py).
+three workloads of the speculative benchmark (loadtest/workloads.py).
 
 JSONL, one JSON object per line (blank lines are skipped), with one of:
   {"prompt": "text"}                                        a single user turn
@@ -10,7 +10,6 @@ and optionally "max_tokens": N to override the run's cap for that request.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from loadtest.workloads import WORKLOADS
 
 DATASET_NAMES = ("synthetic", "workloads", "jsonl")
 CHAT_ROLES = ("system", "user", "assistant")
@@ -74,26 +75,7 @@ def synthetic_requests(num_requests: int, num_words: int = 64, seed: int = 0) ->
 
 def workload_requests() -> list[LoadRequest]:
     """Code editing, extraction and open chat, as the speculative benchmark sends them."""
-    workloads = _benchmark_workloads()
-    return [LoadRequest(None, text, None, f"workload:{name}") for name, text in workloads.items()]
-
-
-def _benchmark_workloads() -> dict[str, str]:
-    """benchmarks/ is not an installed package: import it when the source tree is on the path,
-    else load it from the tree this (editable) package lives in."""
-    try:
-        from benchmarks.workloads import WORKLOADS
-        return WORKLOADS
-    except ImportError:
-        pass
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "workloads.py"
-    if not path.is_file():
-        raise DatasetError("the workloads dataset needs the specserve source tree "
-                           f"(benchmarks/workloads.py, looked in {path.parent})")
-    spec = importlib.util.spec_from_file_location("specserve_benchmark_workloads", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.WORKLOADS
+    return [LoadRequest(None, text, None, f"workload:{name}") for name, text in WORKLOADS.items()]
 
 
 def read_jsonl(path: str | Path) -> list[LoadRequest]:

@@ -2,7 +2,7 @@
 about modules, summaries of their documentation, small coding tasks, and everyday questions.
 
 json and textwrap are left out on purpose: the speculative benchmark's workloads are built from them
-(benchmarks/workloads.py), and a speculator must not be measured on its own training text.
+(loadtest/workloads.py), and a speculator must not be measured on its own training text.
 """
 
 from __future__ import annotations
