@@ -52,3 +52,11 @@ def sample_draft_token(logits: torch.Tensor, request: Request, offset: int) -> t
         return int(logits[0].argmax()), logits[0]
     q = target_probs(logits[0], request.params)  # [vocab]
     return exponential_race(q, request.generator), q
+
+
+def model_draft_proposal(request: Request, token_ids: list[int],
+                         probs: list[torch.Tensor]) -> DraftProposal:
+    """A model-based proposer's draft: its q rides along only when the request samples (a greedy
+    request's drafts are verified as one-hot, whatever q was)."""
+    is_random = bool(token_ids) and not request.params.is_greedy
+    return DraftProposal(token_ids, torch.stack(probs) if is_random else None)

@@ -17,7 +17,7 @@ from engine.block_manager import BlockManager
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
-from engine.proposers.base import DraftProposal, Proposer, sample_draft_token
+from engine.proposers.base import DraftProposal, Proposer, model_draft_proposal, sample_draft_token
 from engine.request import Request
 
 
@@ -68,8 +68,7 @@ class DraftModelProposer(Proposer):
             tokens = drafts.get(i, []) if state is not None else []
             if tokens:
                 state.base_len, state.draft_token_ids = request.num_tokens, list(tokens)
-            is_random = bool(tokens) and not request.params.is_greedy
-            proposals.append(DraftProposal(tokens, torch.stack(probs[i]) if is_random else None))
+            proposals.append(model_draft_proposal(request, tokens, probs.get(i, [])))
         return proposals
 
     def free(self, request_id: str) -> None:

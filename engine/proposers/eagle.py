@@ -21,7 +21,7 @@ from engine.attention import build_attention_metadata
 from engine.block_manager import BlockManager
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache
-from engine.proposers.base import DraftProposal, Proposer, sample_draft_token
+from engine.proposers.base import DraftProposal, Proposer, model_draft_proposal, sample_draft_token
 from engine.proposers.eagle_head import EagleHead
 from engine.request import Request
 
@@ -108,12 +108,8 @@ class EagleProposer(Proposer):
                     token, q = sample_draft_token(logits[row], requests[i], step)
                     drafts[i].append(token)
                     probs[i].append(q)
-        proposals = []
-        for i, request in enumerate(requests):
-            tokens = drafts.get(i, [])
-            is_random = bool(tokens) and not request.params.is_greedy
-            proposals.append(DraftProposal(tokens, torch.stack(probs[i]) if is_random else None))
-        return proposals
+        return [model_draft_proposal(request, drafts.get(i, []), probs.get(i, []))
+                for i, request in enumerate(requests)]
 
     def free(self, request_id: str) -> None:
         self.states.pop(request_id, None)

@@ -17,9 +17,8 @@ A head folder holds `eagle_config.json` and `model.safetensors`, written by
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,9 +27,9 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.models.arch import LlamaArch
 from engine.models.llama import DecoderLayer, RotaryEmbedding
+from engine.proposers.speculator_folder import WEIGHTS_FILE, read_config, write_config
 
 CONFIG_FILE = "eagle_config.json"
-WEIGHTS_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -73,20 +72,11 @@ class EagleConfig:
                 f"{target.vocab_size}")
 
     def save(self, folder: str) -> None:
-        with open(os.path.join(folder, CONFIG_FILE), "w") as f:
-            json.dump({"type": "eagle", **asdict(self)}, f, indent=2)
+        write_config(folder, CONFIG_FILE, "eagle", self)
 
     @classmethod
     def load(cls, folder: str) -> EagleConfig:
-        path = os.path.join(folder, CONFIG_FILE)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}: not an EAGLE head folder "
-                                    "(make one with `specserve train-speculator --method eagle`)")
-        with open(path) as f:
-            data = json.load(f)
-        if data.pop("type", None) != "eagle":
-            raise ValueError(f"{path} does not describe an eagle head")
-        return cls(**data)
+        return cls(**read_config(folder, CONFIG_FILE, "eagle", "an EAGLE head"))
 
 
 class EagleHead(nn.Module):

@@ -13,20 +13,19 @@ A speculator folder holds `speculator_config.json` and `model.safetensors`, writ
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.proposers.base import DraftProposal, Proposer, sample_draft_token
+from engine.proposers.base import DraftProposal, Proposer, model_draft_proposal, sample_draft_token
+from engine.proposers.speculator_folder import WEIGHTS_FILE, read_config, write_config
 from engine.request import Request
 
 CONFIG_FILE = "speculator_config.json"
-WEIGHTS_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -40,20 +39,11 @@ class MLPSpeculatorConfig:
     trained_for: str = ""
 
     def save(self, folder: str) -> None:
-        with open(os.path.join(folder, CONFIG_FILE), "w") as f:
-            json.dump({"type": "mlp_speculator", **asdict(self)}, f, indent=2)
+        write_config(folder, CONFIG_FILE, "mlp_speculator", self)
 
     @classmethod
     def load(cls, folder: str) -> MLPSpeculatorConfig:
-        path = os.path.join(folder, CONFIG_FILE)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no {CONFIG_FILE} in {folder}: not an MLP speculator folder "
-                                    "(make one with `specserve train-speculator`)")
-        with open(path) as f:
-            data = json.load(f)
-        if data.pop("type", None) != "mlp_speculator":
-            raise ValueError(f"{path} does not describe an mlp_speculator")
-        return cls(**data)
+        return cls(**read_config(folder, CONFIG_FILE, "mlp_speculator", "an MLP speculator"))
 
 
 class MLPSpeculator(nn.Module):
@@ -135,9 +125,5 @@ class MLPSpeculatorProposer(Proposer):
                     tokens[row] = token
                     drafts[i].append(token)
                     probs[i].append(q)
-        proposals = []
-        for i, request in enumerate(requests):
-            tokens = drafts.get(i, [])
-            is_random = bool(tokens) and not request.params.is_greedy
-            proposals.append(DraftProposal(tokens, torch.stack(probs[i]) if is_random else None))
-        return proposals
+        return [model_draft_proposal(request, drafts.get(i, []), probs.get(i, []))
+                for i, request in enumerate(requests)]
