@@ -76,6 +76,34 @@ def test_draft_model_on_cuda_is_lossless(checkpoint, expected, tmp_path):
     assert all(o.spec_stats.draft_acceptance_rate == 1.0 for o in outs)
 
 
+@pytest.mark.parametrize("method", ["eagle", "mlp_speculator", "suffix"])
+def test_other_proposers_on_cuda_are_lossless(checkpoint, expected, tmp_path, method):
+    """Untrained heads on the GPU: the feature plumbing, their KV and the draft q run on CUDA."""
+    from engine.models.arch import LlamaArch
+    from engine.models.loader import load_checkpoint
+    from engine.proposers.eagle_head import EagleConfig, EagleHead
+    from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+
+    arch = LlamaArch.from_hf_config(load_checkpoint(checkpoint, torch.float32).hf_config)
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "eagle":
+        head = EagleHead(EagleConfig.for_target(arch, arch.vocab_size), arch)
+        head.draft_token_ids.copy_(torch.arange(arch.vocab_size))
+        head.save(str(tmp_path))
+        config["model"] = str(tmp_path)
+    elif method == "mlp_speculator":
+        MLPSpeculator(MLPSpeculatorConfig(arch.hidden_size, arch.vocab_size, 3)).save(str(tmp_path))
+        config["model"] = str(tmp_path)
+    llm = tiny_llm(checkpoint, speculative_config=config)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy())
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sum(o.spec_stats.num_draft_tokens for o in outs) > 0
+    sampled = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, seed=3,
+                                          ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in sampled)
+
+
 def test_seeded_sampling_with_speculation_is_reproducible_on_cuda(checkpoint):
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=MAX_TOKENS, seed=s, ignore_eos=True)
               for s in range(len(PROMPTS))]
