@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from server.cli import main
 
 
@@ -31,3 +33,16 @@ def test_bad_flags_fail_with_a_message(capsys):
     assert "method must be one of" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", "/no/such/model"]) == 2
     assert "--model takes" in capsys.readouterr().err
+
+
+def test_train_speculator_refuses_bad_numbers_before_any_work(tmp_path, capsys):
+    for flags, message in ((["--unroll-steps", "0"], "--unroll-steps must be at least 1"),
+                           (["--window", "4"], "--window must be at least 8"),
+                           (["--batch-size", "0"], "--batch-size must be at least 1"),
+                           (["--answers-per-prompt", "0"], "--answers-per-prompt")):
+        code = main(["train-speculator", "--method", "eagle", "--out", str(tmp_path), *flags])
+        assert code == 2, flags
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:  # argparse's own refusal
+        main(["train-speculator", "--method", "tree", "--out", str(tmp_path)])
+    assert exited.value.code == 2 and "invalid choice" in capsys.readouterr().err

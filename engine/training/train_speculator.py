@@ -191,12 +191,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
     parser.add_argument("--num-stages", type=int, default=3, help="most draft tokens per step")
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="examples per step (default: MLP 128 positions, EAGLE 8 windows)")
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--documents", action="store_true",
                         help="also train on standard-library documentation read as the model's own "
-                             "answer, where it agrees with its greedy choices (more data, no "
-                             "generation cost)")
+                             "answer (more data, no generation cost): the MLP where the text agrees "
+                             "with its greedy choices, EAGLE at every position, labelled by the "
+                             "target")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     add_eagle_arguments(parser)
@@ -207,6 +209,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.num_stages < 1 or args.epochs < 1 or args.num_prompts < 1:
         raise ValueError("--num-stages, --epochs and --num-prompts must be at least 1")
+    if args.batch_size is None:
+        args.batch_size = 8 if args.method == "eagle" else 128
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.method == "eagle":
         check_eagle_arguments(args)
     torch.manual_seed(args.seed)
