@@ -75,26 +75,35 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+@dataclass
+class EngineCallbacks:
+    """What the engine client's callbacks reach, each filled in once it exists: the metrics when
+    the engine is ready, the HTTP server after them."""
+
+    metrics: ServerMetrics | None = None
+    server: DrainingServer | None = None
+
+    def on_stats(self, stats: StepStats) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_step(stats)
+
+    def on_dead(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+
+
 async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """Run until stopped; returns the process exit code."""
     # NOTE: the engine's torch threads share the cores with this process; passive waiting keeps
     # them from spinning against the HTTP work (TOOLCHAIN.md measured a collapse otherwise)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    holder: dict[str, object] = {}
-
-    def on_stats(stats: StepStats) -> None:
-        holder["metrics"].observe_step(stats)
-
-    def on_dead() -> None:
-        if "server" in holder:
-            holder["server"].should_exit = True
-
-    client = EngineClient(engine_args, on_stats=on_stats, on_dead=on_dead)
+    callbacks = EngineCallbacks()
+    client = EngineClient(engine_args, on_stats=callbacks.on_stats, on_dead=callbacks.on_dead)
     try:
         ready = await client.start()
         name = served_model_name(engine_args, server_args)
         metrics = ServerMetrics(name, ready.speculative_method, ready.num_speculative_tokens)
-        holder["metrics"] = metrics
+        callbacks.metrics = metrics
         tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
         serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests)
         state = ServerState(client, serving, metrics, server_args.api_key)
@@ -109,7 +118,7 @@ async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
                                 log_level=server_args.log_level, lifespan="off",
                                 timeout_graceful_shutdown=server_args.drain_timeout)
         server = DrainingServer(config, state)
-        holder["server"] = server
+        callbacks.server = server
         if not client.is_alive:
             return 1
         await server.serve()
