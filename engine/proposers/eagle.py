@@ -92,7 +92,7 @@ class EagleProposer(Proposer):
     def propose(self, requests: list[Request], max_num_tokens: list[int],
                 target_hidden: torch.Tensor | None) -> list[DraftProposal]:
         active = [i for i, cap in enumerate(max_num_tokens)
-                  if cap > 0 and self._ready(requests[i], cap)]
+                  if cap > 0 and self._reserve(requests[i], cap)]
         drafts: dict[int, list[int]] = {i: [] for i in active}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
         if active:
@@ -117,8 +117,9 @@ class EagleProposer(Proposer):
         self.blocks.free(request_id)
 
     # ------------------------------------------------------------------ internals
-    def _ready(self, request: Request, cap: int) -> bool:
-        """The features the catch-up needs are here, and the cache has room for the rollout."""
+    def _reserve(self, request: Request, cap: int) -> bool:
+        """Whether the request can draft now: the features its catch-up reads are here, and the head's
+        cache holds blocks for the catch-up and the rollout (allocated here when they are)."""
         state = self.states.get(request.request_id)
         if state is None or request.request_id in self.disabled:
             return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from spec_outputs import pooled_acceptance_rate, token_ids
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
@@ -37,10 +38,6 @@ def spec_llm(target: str, speculator: str, k: int = 3) -> LLM:
     return LLM(target, dtype="float64", max_model_len=256, num_kv_blocks=64,
                speculative_config={"method": "mlp_speculator", "model": speculator,
                                    "num_speculative_tokens": k})
-
-
-def token_ids(outs) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_greedy_is_token_identical_in_mixed_batches(target, untrained):
@@ -87,8 +84,7 @@ def test_the_trainer_raises_acceptance(target, untrained, tmp_path):
         spec_outs = spec_llm(target, folder).generate(test_prompts, SamplingParams(
             temperature=0.0, max_tokens=40, ignore_eos=True))
         assert token_ids(spec_outs) == [o.outputs[0].token_ids for o in outs[:6]]
-        rates.append(sum(o.spec_stats.num_accepted_draft_tokens for o in spec_outs)
-                     / sum(o.spec_stats.num_draft_tokens for o in spec_outs))
+        rates.append(pooled_acceptance_rate(spec_outs))
     assert rates[1] > max(0.05, 3 * rates[0]), rates
 
 
