@@ -20,7 +20,9 @@ from pydantic import (
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
+# NOTE: token ids get no upper bound here; the server checks them against the vocabulary
 TokenId = Annotated[int, Field(ge=0)]
+MAX_INT32 = 2**31 - 1
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
@@ -59,11 +61,13 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: str | None = None
-    # OpenAI's range; the offline SamplingParams accepts more
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    # extension (vLLM): -1 or 0 = no top-k
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    # OpenAI's range; the offline SamplingParams accepts more. NaN and Infinity (which Python's
+    # JSON reader accepts) get a message of their own.
+    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    # extension (vLLM): -1 or 0 = no top-k. NOTE: integers are bounded wherever the schema allows
+    # any size, so a huge one is a 400 here, not an overflow when the request crosses to the engine
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     # NOTE: stream comes before stream_options: the latter's validator reads it
     stream: bool = False
@@ -77,7 +81,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (vLLM)
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     # specserve extra

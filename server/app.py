@@ -15,10 +15,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.api_requests import ChatCompletionRequest, CompletionRequest
 from server.api_responses import ModelCard, ModelList
+from server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from server.engine_client import EngineClient
 from server.errors import ApiError, ErrorResponse
 from server.metrics import ServerMetrics
-from server.openai_serving import OpenAIServing
+from server.openai_serving import ClientDisconnected, OpenAIServing
+
+# FastAPI's message when reading the body failed for a reason other than JSON syntax
+_BODY_PARSE_FAILED = "There was an error parsing the body"
 
 
 def specserve_version() -> str:
@@ -36,26 +40,47 @@ class ServerState:
     api_key: str | None = None
     # set on SIGTERM: new requests get 503 while in-flight ones finish
     draining: bool = False
+    # larger request bodies get 413 before they are parsed
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specserve", version=specserve_version(),
                   description="OpenAI-compatible inference with lossless speculative decoding")
+    app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse(ErrorResponse.from_validation_errors(error.errors()).model_dump(),
-                            status_code=400)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        errors = error.errors()
+        body_error = _whole_body_error(request, errors)
+        response = (ErrorResponse.build(body_error) if body_error
+                    else ErrorResponse.from_validation_errors(errors))
+        return JSONResponse(response.model_dump(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
         # unknown routes, wrong methods, and bodies FastAPI cannot parse (e.g. not UTF-8)
-        return JSONResponse(ApiError(error.status_code, str(error.detail)).body(),
+        message = str(error.detail)
+        if error.status_code == 400 and message == _BODY_PARSE_FAILED:
+            message = _body_parse_message(error.__cause__)
+        return JSONResponse(ApiError(error.status_code, message).body(),
                             status_code=error.status_code, headers=error.headers)
+
+    @app.exception_handler(ClientDisconnected)
+    async def client_gone(_: Request, __: ClientDisconnected) -> Response:
+        # NOTE: 499 as nginx logs it; nobody is left to read this response
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, error: Exception) -> JSONResponse:
+        # a bug, never bad input (that is a 4xx above); still answered in OpenAI's shape.
+        # NOTE: Starlette calls this from its outermost middleware, which then logs the traceback
+        message = f"internal server error ({type(error).__name__})"
+        return JSONResponse(ApiError(500, message).body(), status_code=500)
 
     async def authorized(request: Request) -> None:
         if state.api_key is None:
@@ -103,6 +128,43 @@ def build_app(state: ServerState) -> FastAPI:
         return _respond(await state.serving.chat(body, request.is_disconnected))
 
     return app
+
+
+def _whole_body_error(request: Request, errors: list[dict]) -> str | None:
+    """A message for errors about the body as a whole (not JSON, not an object, missing), which
+    FastAPI reports with no field to name; None when the errors are about fields."""
+    for error in errors:
+        loc = tuple(error.get("loc", ()))
+        if error.get("type") == "json_invalid":
+            reason = error.get("ctx", {}).get("error", "invalid JSON")
+            position = f" at character {loc[1]}" if len(loc) > 1 else ""
+            return f"the request body is not valid JSON: {reason}{position}"
+        if loc != ("body",):
+            continue
+        content_type = request.headers.get("content-type")
+        if not _is_json(content_type):
+            return (f"the request body must be JSON with Content-Type: application/json "
+                    f"(got {content_type or 'no Content-Type'})")
+        if error.get("type") == "missing":
+            return "the request body is missing; send a JSON object"
+        found = type(error.get("input")).__name__
+        names = {"list": "an array", "str": "a string", "NoneType": "null", "int": "a number",
+                 "float": "a number", "bool": "a boolean"}
+        return f"the request body must be a JSON object, not {names.get(found, found)}"
+    return None
+
+
+def _is_json(content_type: str | None) -> bool:
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    return media_type == "application/json" or media_type.endswith("+json")
+
+
+def _body_parse_message(cause: BaseException | None) -> str:
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8: {cause}"
+    if isinstance(cause, RecursionError):
+        return "the request body is nested too deeply to parse"
+    return "the request body could not be parsed as JSON"
 
 
 def _respond(result) -> Response:

@@ -61,6 +61,8 @@ def _add_serve_parser(commands) -> None:
                        help="queued requests before new ones get 429")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds SIGTERM waits for in-flight requests")
+    serve.add_argument("--max-body-mib", type=float, default=16.0,
+                       help="request bodies above this many MiB get 413")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -83,10 +85,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_waiting_requests < 1:
         raise ValueError(f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}")
+    if not args.max_body_mib > 0:
+        raise ValueError(f"--max-body-mib must be positive, got {args.max_body_mib}")
     server_args = ServerArgs(host=args.host, port=args.port, api_key=args.api_key,
                              served_model_name=args.served_model_name,
                              max_waiting_requests=args.max_waiting_requests,
-                             drain_timeout=args.drain_timeout, log_level=args.log_level)
+                             drain_timeout=args.drain_timeout, log_level=args.log_level,
+                             max_body_bytes=int(args.max_body_mib * 2**20))
     return asyncio.run(serve(engine_args, server_args))
 
 

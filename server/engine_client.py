@@ -131,15 +131,20 @@ class EngineClient:
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams) -> asyncio.Queue[TokenDelta | Exception]:
         """Queue of this request's deltas; it ends with a delta carrying finish_reason, or an
-        exception (RequestRejectedError, EngineDeadError)."""
+        exception (RequestRejectedError, EngineDeadError). Raises RequestRejectedError when the
+        request cannot be encoded for the engine."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        try:
+            message = encode(AddRequest(request_id, list(prompt_token_ids),
+                                        dataclasses.asdict(params)))
+        except (OverflowError, TypeError, ValueError) as error:  # e.g. an integer beyond 64 bits
+            raise RequestRejectedError(f"the request cannot be sent to the engine: {error}") from None
         queue: asyncio.Queue[TokenDelta | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
-        await self._to_engine.send(encode(AddRequest(request_id, list(prompt_token_ids),
-                                                     dataclasses.asdict(params))))
+        await self._to_engine.send(message)
         return queue
 
     async def abort(self, request_ids: list[str]) -> None:

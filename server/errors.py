@@ -46,7 +46,8 @@ class ErrorResponse(BaseModel):
 
 
 _DEFAULT_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                  429: "RateLimitError", 503: "ServiceUnavailableError"}
+                  413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
+                  503: "ServiceUnavailableError"}
 
 
 class ApiError(Exception):

@@ -46,6 +46,10 @@ from server.errors import ApiError
 from server.metrics import ServerMetrics
 
 
+class ClientDisconnected(Exception):
+    """The client went away before its (non-streamed) answer was ready; nobody reads a reply."""
+
+
 @dataclass
 class Choice:
     """One engine request: one prompt's one completion, and its timings for the metrics."""
@@ -85,7 +89,7 @@ class OpenAIServing:
         if body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            param="echo")
-        prompts = [self._tokenize_prompt(p) for p in body.prompts]
+        prompts = [await self._tokenize_prompt(p) for p in body.prompts]
         params = [self._sampling_params(body, ids, body.max_tokens) for ids in prompts]
         choices = await self._submit(prompts, params, body.n)
         echo = [self._decode(ids) if body.echo else "" for ids in prompts]
@@ -110,7 +114,7 @@ class OpenAIServing:
         except Exception as error:  # jinja errors: the conversation does not fit the template
             raise ApiError(400, f"the chat template rejected these messages: {error}",
                            param="messages") from error
-        prompt = self._encode(text, "messages", add_special_tokens=False)
+        prompt = await self._encode(text, "messages", add_special_tokens=False)
         params = self._sampling_params(body, prompt, body.requested_max_tokens)
         choices = await self._submit([prompt], [params], body.n)
         if body.stream:
@@ -131,22 +135,27 @@ class OpenAIServing:
                                 f"{self.served_model_name!r}", param="model",
                            code="model_not_found", type="NotFoundError")
 
-    def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+    async def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send token ids", param="prompt")
-            return self._encode(prompt, "prompt")
-        if max(prompt) >= self.vocab_size:
-            raise ApiError(400, f"prompt token ids must be below the vocabulary size "
-                                f"{self.vocab_size}", param="prompt")
+            return await self._encode(prompt, "prompt")
+        self._check_token_ids(prompt, "prompt")
         return prompt
 
-    def _encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
+    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if token_ids and max(token_ids) >= self.vocab_size:
+            raise ApiError(400, f"every token id in {param} must be below the vocabulary size "
+                                f"{self.vocab_size}", param=param)
+
+    async def _encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as error:  # lone surrogates from JSON "\udcff" escapes
             raise ApiError(400, f"{param} is not valid Unicode text: {error}", param=param) from None
-        return self.tokenizer.encode(text, **kwargs)
+        # NOTE: in a thread: a megabyte of text takes about a second to tokenize, and the fast
+        # tokenizer releases the GIL, so other requests' streams keep flowing meanwhile
+        return await asyncio.to_thread(self.tokenizer.encode, text, **kwargs)
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest,
                          prompt: list[int], max_tokens: int | None) -> SamplingParams:
@@ -160,6 +169,7 @@ class OpenAIServing:
             raise ApiError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
                                 f"exceeds the context of {self.max_model_len} tokens",
                            param="max_tokens", code="context_length_exceeded")
+        self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         spec = body.speculative_decoding
         if spec is not None and (spec.num_speculative_tokens or 0) > self.engine_k:
             raise ApiError(400, f"num_speculative_tokens {spec.num_speculative_tokens} is above "
@@ -176,6 +186,10 @@ class OpenAIServing:
         if not self.client.is_alive:
             raise ApiError(503, "the engine is not running", type="ServiceUnavailableError")
         num_new = len(prompts) * n
+        if num_new > self.max_waiting_requests:  # NOTE: a 429 would invite retries that never pass
+            raise ApiError(400, f"this request asks for {num_new} completions ({len(prompts)} "
+                                f"prompts x n {n}); this server queues at most "
+                                f"{self.max_waiting_requests}", param="n")
         if self.num_waiting + num_new > self.max_waiting_requests:
             self.metrics.request_rejected(429)
             raise ApiError(429, f"the server is at capacity ({self.num_waiting} requests waiting); "
@@ -197,6 +211,9 @@ class OpenAIServing:
         except EngineDeadError as error:
             self._abort(choices)
             raise ApiError(503, str(error), type="ServiceUnavailableError") from error
+        except RequestRejectedError as error:  # it could not even be sent to the engine
+            self._abort(choices)
+            raise ApiError(400, str(error)) from error
         return choices
 
     async def _next_delta(self, choice: Choice) -> TokenDelta:
@@ -238,11 +255,13 @@ class OpenAIServing:
                 await asyncio.sleep(0.25)
 
         work = asyncio.gather(*(finish(c) for c in choices))
+        # NOTE: a cancelled gather holds a CancelledError that asyncio logs unless someone reads it
+        work.add_done_callback(lambda future: future.cancelled() or future.exception())
         watcher = asyncio.ensure_future(watch_client())
         try:
             done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if watcher in done:
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnected
             work.result()
         finally:
             watcher.cancel()

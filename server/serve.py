@@ -18,6 +18,7 @@ from engine.engine_args import EngineArgs
 from engine.messages import StepStats
 from engine.models.loader import load_tokenizer
 from server.app import ServerState, build_app
+from server.body_limit import DEFAULT_MAX_BODY_BYTES
 from server.engine_client import EngineClient
 from server.metrics import ServerMetrics
 from server.openai_serving import OpenAIServing
@@ -37,6 +38,8 @@ class ServerArgs:
     max_waiting_requests: int = 256
     # seconds SIGTERM waits for in-flight requests before closing them
     drain_timeout: float = 30.0
+    # larger request bodies get 413 before they are parsed
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_level: str = "info"
 
 
@@ -106,7 +109,8 @@ async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         callbacks.metrics = metrics
         tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
         serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests)
-        state = ServerState(client, serving, metrics, server_args.api_key)
+        state = ServerState(client, serving, metrics, server_args.api_key,
+                            max_body_bytes=server_args.max_body_bytes)
         method = ready.speculative_method or "none"
         logger.info("engine ready: %s as %r, %s on %s, context %d, %d KV blocks of %d tokens",
                     ready.model_name, name, ready.dtype, ready.device, ready.max_model_len,
