@@ -8,13 +8,21 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.adaptive import AdaptiveSpeculation
+from engine.adaptive.calibration import calibrate_verify_cost
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.messages import StepStats
 from engine.proposers import Proposer, build_proposer
 from engine.request import Request
 from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate, SampledTokens, ScheduledRequest, Scheduler
+from engine.scheduler import (
+    RequestUpdate,
+    SampledTokens,
+    ScheduledRequest,
+    Scheduler,
+    SchedulerOutput,
+)
 from engine.spec_config import SpeculativeConfig
 from engine.worker import Worker
 
@@ -29,6 +37,14 @@ class EngineTotals:
     draft_seconds: float = 0.0
 
 
+@dataclass
+class DraftChoice:
+    """The k chosen for one decoding request when drafting for the next step."""
+
+    request: Request
+    k: int
+
+
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig,
@@ -39,6 +55,12 @@ class EngineCore:
         self.speculative_config = speculative_config
         self.proposer: Proposer | None = (
             None if speculative_config is None else build_proposer(speculative_config, self.worker))
+        self.adaptive: AdaptiveSpeculation | None = None
+        if speculative_config is not None and speculative_config.adaptive:
+            self.adaptive = AdaptiveSpeculation()
+            calibrate_verify_cost(self.adaptive.cost, self.worker, self.scheduler.block_manager,
+                                  self.sampler, min(scheduler_config.max_num_batched_tokens,
+                                                    self.worker.kv_spec.max_model_len))
         self.eos_token_ids = frozenset(self.worker.arch.eos_token_ids)
         self.totals = EngineTotals()
         # what the last step did, for the metrics exporter
@@ -56,7 +78,7 @@ class EngineCore:
 
     def abort(self, request_ids: list[str]) -> list[RequestUpdate]:
         updates = [u for u in map(self.scheduler.abort, request_ids) if u is not None]
-        self._free_proposer_state(updates)
+        self._free_request_state(updates)
         return updates
 
     @property
@@ -79,9 +101,9 @@ class EngineCore:
             self._record_target_hidden(scheduled.scheduled, sampled, out.token_hidden)
         updates = self.scheduler.commit(scheduled, sampled)
         verified = time.perf_counter()
-        drafted_for = self._propose_drafts(scheduled.sampling, sampled, out.hidden)
-        self._account(scheduled.sampling, drafted_for, start, verified, updates)
-        self.last_step_stats = self._step_stats(scheduled.sampling, sampled, updates,
+        choices = self._propose_drafts(scheduled.sampling, sampled, out.hidden)
+        self._account(scheduled, sampled, choices, start, verified, updates)
+        self.last_step_stats = self._step_stats(scheduled.sampling, sampled, choices, updates,
                                                 num_prompt_tokens, start, verified)
         return updates
 
@@ -100,9 +122,9 @@ class EngineCore:
             row += item.num_new_tokens
 
     def _propose_drafts(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
-                        hidden: torch.Tensor) -> list[Request]:
+                        hidden: torch.Tensor) -> list[DraftChoice]:
         """Drafts for the NEXT step, from the tokens just committed (so the scheduler can budget them);
-        returns the requests drafted for.
+        returns the k chosen for each request drafted for.
 
         Only requests that sampled this step get new drafts: the others' tokens did not change, so
         their pending drafts still stand. Each gets the target's hidden state at the row that
@@ -120,24 +142,39 @@ class EngineCore:
             return []
         k = self.speculative_config.num_speculative_tokens
         caps = [self.scheduler.draft_budget(r, k) for r in requests]
+        if self.adaptive is not None:
+            caps = self.adaptive.choose(
+                requests, caps, self.scheduler.num_prefill_tokens_next_step(len(requests)))
         target_hidden = hidden[torch.tensor([row_of[r.request_id] for r in requests],
                                             device=hidden.device)]
         for request, proposal in zip(requests, self.proposer.propose(requests, caps,
                                                                      target_hidden)):
             request.draft_token_ids, request.draft_probs = proposal.token_ids, proposal.probs
-        return [r for r, cap in zip(requests, caps) if cap > 0]
+        return [DraftChoice(r, cap) for r, cap in zip(requests, caps)]
 
-    def _account(self, verified_items: list[ScheduledRequest], drafted_for: list[Request], start: float,
-                 verified: float, updates: list[RequestUpdate]) -> None:
+    def _account(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
+                 choices: list[DraftChoice], start: float, verified: float,
+                 updates: list[RequestUpdate]) -> None:
+        """Totals, per-request timings, what adaptive speculation learns from this step; then the
+        finished requests' proposer and adaptive state is dropped."""
         now = time.perf_counter()
         self.totals.num_steps += 1
         self.totals.verify_seconds += verified - start
         self.totals.draft_seconds += now - verified
-        for item in verified_items:
+        for item in scheduled.sampling:
             item.request.spec_stats.verify_seconds += verified - start
-        for request in drafted_for:
-            request.spec_stats.draft_seconds += now - verified
-        self._free_proposer_state(updates)
+        for choice in choices:
+            if choice.k > 0:
+                choice.request.spec_stats.draft_seconds += now - verified
+        if self.adaptive is not None:
+            self.adaptive.cost.observe_verify(scheduled.num_batched_tokens, verified - start)
+            if choices:
+                self.adaptive.cost.observe_draft(max(c.k for c in choices), now - verified)
+            for item, kept in zip(scheduled.sampling, sampled):
+                if item.num_draft_tokens:
+                    self.adaptive.observe_verification(item.request.request_id,
+                                                       item.num_draft_tokens, len(kept.token_ids) - 1)
+        self._free_request_state(updates)
 
     def gauge_snapshot(self) -> StepStats:
         """Running, waiting and KV-cache usage now, outside a step (StepStats.is_step False)."""
@@ -148,12 +185,14 @@ class EngineCore:
                          num_preemptions=scheduler.num_preemptions)
 
     def _step_stats(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
-                    updates: list[RequestUpdate], num_prompt_tokens: int, start: float,
-                    verified: float) -> StepStats:
+                    choices: list[DraftChoice], updates: list[RequestUpdate],
+                    num_prompt_tokens: int, start: float, verified: float) -> StepStats:
         stats = dataclasses.replace(
             self.gauge_snapshot(), is_step=True, num_prompt_tokens=num_prompt_tokens,
             num_generation_tokens=sum(len(u.new_token_ids) for u in updates),
-            verify_seconds=verified - start, draft_seconds=time.perf_counter() - verified)
+            verify_seconds=verified - start, draft_seconds=time.perf_counter() - verified,
+            num_k_choices=len(choices), num_speculating_choices=sum(c.k > 0 for c in choices),
+            sum_chosen_k=sum(c.k for c in choices))
         for item, kept in zip(items, sampled):
             if not item.num_draft_tokens:
                 continue
@@ -169,8 +208,10 @@ class EngineCore:
                 stats.accepted_per_position[position] += 1
         return stats
 
-    def _free_proposer_state(self, updates: list[RequestUpdate]) -> None:
-        if self.proposer is not None:
-            for update in updates:
-                if update.finish_reason is not None:
+    def _free_request_state(self, updates: list[RequestUpdate]) -> None:
+        for update in updates:
+            if update.finish_reason is not None:
+                if self.proposer is not None:
                     self.proposer.free(update.request_id)
+                if self.adaptive is not None:
+                    self.adaptive.free(update.request_id)

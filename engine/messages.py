@@ -91,6 +91,11 @@ class StepStats:
     # seconds of this step in the target pass + verification, and in proposing the next drafts
     verify_seconds: float = 0.0
     draft_seconds: float = 0.0
+    # drafting for the next step: requests whose k was chosen, how many of them got k > 0, and the
+    # sum of their k (fixed k: the configured k within each request's cap; adaptive: the choice)
+    num_k_choices: int = 0
+    num_speculating_choices: int = 0
+    sum_chosen_k: int = 0
 
 
 @dataclass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from engine.block_manager import BlockManager
 from engine.config import KVCacheSpec, SchedulerConfig
@@ -221,6 +222,16 @@ class Scheduler:
     def decoding(self) -> list[Request]:
         """Running requests whose next step is a decode step (all known tokens but the last computed)."""
         return [r for r in self.running if r.num_computed_tokens == r.num_tokens - 1]
+
+    def num_prefill_tokens_next_step(self, num_decoding: int) -> int:
+        """Prompt (or recompute) tokens the next step will likely compute beside `num_decoding`
+        decoding requests: running requests mid-prefill, then waiting ones while seats last, all
+        within the token budget. Adaptive speculation prices drafts against this load."""
+        pending = [r for r in self.running if r.num_computed_tokens < r.num_tokens - 1]
+        seats = max(0, self.config.max_num_seqs - len(self.running))
+        pending += islice(self.waiting, seats)
+        total = sum(r.num_tokens - r.num_computed_tokens for r in pending)
+        return min(total, max(0, self.config.max_num_batched_tokens - num_decoding))
 
     def draft_budget(self, request: Request, k: int) -> int:
         """Drafts worth proposing: no more than the tokens the request may still emit, minus the

@@ -5,6 +5,10 @@
     {"method": "suffix", "num_speculative_tokens": 4, "suffix_max_depth": 24}
     {"method": "mlp_speculator", "model": "/path/to/speculator", "num_speculative_tokens": 3}
     {"method": "eagle", "model": "/path/to/eagle-head", "num_speculative_tokens": 3}
+    {"method": "ngram", "num_speculative_tokens": 5, "adaptive": true}
+
+With "adaptive", num_speculative_tokens is the most a request drafts: each step the engine picks
+every request's k in 0..that from measured costs and recent acceptance (engine/adaptive/).
 
 Unknown keys and bad values fail here, at start-up, with the name of what was wrong.
 """
@@ -29,6 +33,8 @@ class SpeculativeConfig:
     method: str
     # k: draft tokens proposed per step for one request (a request may get fewer, or none)
     num_speculative_tokens: int
+    # choose each request's k per step (at most num_speculative_tokens) to maximise tokens per second
+    adaptive: bool = False
     # n-gram: the shortest and longest suffix of the context looked up earlier in it
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -99,9 +105,9 @@ class SpeculativeConfig:
                               ("prompt_lookup_min", int), ("prompt_lookup_max", int),
                               ("suffix_max_depth", int), ("suffix_max_cached_tokens", int),
                               ("suffix_min_token_prob", numbers.Real),
-                              ("suffix_factor", numbers.Real)):
+                              ("suffix_factor", numbers.Real), ("adaptive", bool)):
             if key in value and (not isinstance(value[key], expected)
-                                 or isinstance(value[key], bool)):
+                                 or (isinstance(value[key], bool) and expected is not bool)):
                 raise ValueError(f"speculative config {key!r} must be {expected.__name__}, "
                                  f"got {value[key]!r}")
         return cls(**value)

@@ -10,6 +10,12 @@ Speculation quality in PromQL (DESIGN.md vocabulary; the constants below hold th
                            / rate(specserve:spec_decode_num_drafts_total[1m])
   Why: tokens a speculating request gets per target pass (accepted + the bonus or recovered token);
   it bounds the speed-up over plain decoding, so it is what to weigh against the drafting cost.
+- mean k chosen = rate(specserve:spec_decode_k_chosen_total[1m])
+                  / rate(specserve:spec_decode_k_choices_total[1m])
+  share of requests speculating = rate(specserve:spec_decode_speculating_choices_total[1m])
+                                  / rate(specserve:spec_decode_k_choices_total[1m])
+  Why: with adaptive speculation, k per request follows cost and acceptance; these show how much
+  speculation the engine judged worth its cost (fixed k: the configured k within request caps).
 """
 
 from __future__ import annotations
@@ -36,6 +42,14 @@ ACCEPTANCE_RATE_PROMQL = (
 BLOCK_EFFICIENCY_PROMQL = (
     "1 + rate(specserve:spec_decode_num_accepted_tokens_total[1m])"
     " / rate(specserve:spec_decode_num_drafts_total[1m])"
+)
+MEAN_CHOSEN_K_PROMQL = (
+    "rate(specserve:spec_decode_k_chosen_total[1m])"
+    " / rate(specserve:spec_decode_k_choices_total[1m])"
+)
+SPECULATING_SHARE_PROMQL = (
+    "rate(specserve:spec_decode_speculating_choices_total[1m])"
+    " / rate(specserve:spec_decode_k_choices_total[1m])"
 )
 
 # one bucket per accepted count, so per-length shares can be read off exactly
@@ -108,6 +122,19 @@ class ServerMetrics:
                                             "Seconds spent proposing drafts.")
         self._verify_seconds = self._counter("specserve:spec_decode_verify_seconds_total",
                                              "Seconds spent in target passes and verification.")
+        self._num_k_choices = self._counter(
+            "specserve:spec_decode_k_choices_total",
+            "Per-request choices of k made when drafting (one per decoding request per step).")
+        self._sum_chosen_k = self._counter("specserve:spec_decode_k_chosen_total",
+                                           "Sum of the k chosen in those choices.")
+        self._num_speculating_choices = self._counter(
+            "specserve:spec_decode_speculating_choices_total", "Choices of a k above 0.")
+        self._current_k = self._gauge(
+            "specserve:spec_decode_current_k",
+            "Mean k chosen for the decoding requests of the latest step (0 when none).")
+        self._speculating_share = self._gauge(
+            "specserve:spec_decode_speculating_share",
+            "Share of the latest step's decoding requests given a k above 0 (0..1).")
 
         # ---------------------------------------------------------------- per request
         self._time_to_first_token = self._histogram(
@@ -175,6 +202,12 @@ class ServerMetrics:
                 self._acceptance_length.observe(num_accepted)
             self._draft_seconds.inc(stats.draft_seconds)
             self._verify_seconds.inc(stats.verify_seconds)
+            self._num_k_choices.inc(stats.num_k_choices)
+            self._sum_chosen_k.inc(stats.sum_chosen_k)
+            self._num_speculating_choices.inc(stats.num_speculating_choices)
+            if stats.num_k_choices:
+                self._current_k.set(stats.sum_chosen_k / stats.num_k_choices)
+                self._speculating_share.set(stats.num_speculating_choices / stats.num_k_choices)
 
     def request_finished(self, *, ttft: float | None, inter_token_latencies: list[float],
                          e2e: float, num_prompt_tokens: int, num_generation_tokens: int,

@@ -15,6 +15,8 @@ def test_vllm_style_json_parses():
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 4)
     assert SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 1}) == \
         SpeculativeConfig("ngram", 1)
+    assert SpeculativeConfig.from_json(
+        '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": true}').adaptive
 
 
 @pytest.mark.parametrize("value, message", [
@@ -29,6 +31,8 @@ def test_vllm_style_json_parses():
     ('{"method": "ngram", "num_speculative_tokens": 0}', r"num_speculative_tokens must be in"),
     ('{"method": "ngram", "num_speculative_tokens": "5"}', "must be int"),
     ('{"method": "ngram", "num_speculative_tokens": true}', "must be int"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "adaptive": "yes"}', "'adaptive' must be bool"),
+    ('{"method": "ngram", "num_speculative_tokens": 3, "adaptive": 1}', "'adaptive' must be bool"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, '
      '"prompt_lookup_max": 2}', "prompt_lookup_min"),
 ])

@@ -9,7 +9,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.messages import StepStats
-from server.metrics import ACCEPTANCE_RATE_PROMQL, BLOCK_EFFICIENCY_PROMQL, ServerMetrics
+from server.metrics import (
+    ACCEPTANCE_RATE_PROMQL,
+    BLOCK_EFFICIENCY_PROMQL,
+    MEAN_CHOSEN_K_PROMQL,
+    SPECULATING_SHARE_PROMQL,
+    ServerMetrics,
+)
 
 BASE_LABELS = {"model_name": "tiny", "spec_method": "ngram"}
 
@@ -29,6 +35,11 @@ EXPECTED_NAMES = {
     "specserve:spec_decode_acceptance_length",
     "specserve:spec_decode_draft_seconds_total",
     "specserve:spec_decode_verify_seconds_total",
+    "specserve:spec_decode_k_choices_total",
+    "specserve:spec_decode_k_chosen_total",
+    "specserve:spec_decode_speculating_choices_total",
+    "specserve:spec_decode_current_k",
+    "specserve:spec_decode_speculating_share",
     "specserve:time_to_first_token_seconds",
     "specserve:inter_token_latency_seconds",
     "specserve:e2e_request_latency_seconds",
@@ -72,7 +83,8 @@ def test_exposes_exactly_the_documented_names(metrics):
 
 
 def test_promql_constants_use_exposed_names():
-    for expr in (ACCEPTANCE_RATE_PROMQL, BLOCK_EFFICIENCY_PROMQL):
+    for expr in (ACCEPTANCE_RATE_PROMQL, BLOCK_EFFICIENCY_PROMQL, MEAN_CHOSEN_K_PROMQL,
+                 SPECULATING_SHARE_PROMQL):
         assert set(re.findall(r"specserve:\w+", expr)) <= EXPECTED_NAMES
 
 
@@ -114,6 +126,17 @@ def test_step_counters_add_up_and_gauges_keep_the_last_step(metrics):
         "specserve:spec_decode_verify_seconds_total": 0.75,
     }
     assert {name: value(metrics, name) for name in expected} == expected
+
+
+def test_chosen_k_counts_add_up_and_gauges_show_the_latest_choices(metrics):
+    metrics.observe_step(StepStats(num_k_choices=4, num_speculating_choices=3, sum_chosen_k=7))
+    metrics.observe_step(StepStats(num_k_choices=2, num_speculating_choices=1, sum_chosen_k=3))
+    metrics.observe_step(StepStats())  # a step that drafted for nobody keeps the gauges
+    assert value(metrics, "specserve:spec_decode_k_choices_total") == 6
+    assert value(metrics, "specserve:spec_decode_k_chosen_total") == 10
+    assert value(metrics, "specserve:spec_decode_speculating_choices_total") == 4
+    assert value(metrics, "specserve:spec_decode_current_k") == 1.5
+    assert value(metrics, "specserve:spec_decode_speculating_share") == 0.5
 
 
 @pytest.mark.parametrize("cumulative, expected_total", [

@@ -1,0 +1,46 @@
+"""Start-up calibration of the target pass: time verification-shaped passes of 1..N tokens, so the
+first adaptive choices rest on measurements of this model on this device, not on a guess."""
+
+from __future__ import annotations
+
+import time
+
+from engine.adaptive.step_cost import StepCostModel
+from engine.block_manager import BlockManager
+from engine.request import Request
+from engine.sample.rejection import RejectionSampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.worker import Worker
+
+# token counts timed at start-up; steps in between are interpolated, and real steps refine them
+CALIBRATION_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64, 96, 128, 192, 256)
+REPEATS = 2
+CALIBRATION_REQUEST_ID = "specserve-adaptive-calibration"
+
+
+def calibrate_verify_cost(cost: StepCostModel, worker: Worker, block_manager: BlockManager,
+                          sampler: RejectionSampler, max_tokens: int) -> None:
+    """Time one request verifying n - 1 greedy drafts (n rows of logits, as a real verification)
+    for each calibration size n <= max_tokens; the fastest of REPEATS runs seeds the cost table."""
+    capacity = block_manager.num_free_blocks * block_manager.block_size
+    for num_tokens in CALIBRATION_SIZES:
+        if num_tokens > min(max_tokens, capacity):
+            break
+        request = Request(CALIBRATION_REQUEST_ID, [0], SamplingParams(temperature=0.0, max_tokens=1),
+                          frozenset())
+        request.draft_token_ids = [0] * (num_tokens - 1)
+        item = ScheduledRequest(request, num_tokens, num_tokens - 1, is_sampling=True)
+        output = SchedulerOutput([item], num_tokens)
+        block_manager.allocate(CALIBRATION_REQUEST_ID, num_tokens)
+        try:
+            fastest = float("inf")
+            # NOTE: one extra run first: the first pass of a size may pack weights or plan kernels
+            for repeat in range(REPEATS + (num_tokens == CALIBRATION_SIZES[0])):
+                start = time.perf_counter()
+                out = worker.execute(output, block_manager)
+                sampler(out.logits, [item])
+                fastest = min(fastest, time.perf_counter() - start)
+        finally:
+            block_manager.free(CALIBRATION_REQUEST_ID)
+        cost.observe_verify(num_tokens, fastest)

@@ -1,0 +1,132 @@
+"""Choose k per request, each step, to maximise expected tokens emitted per second.
+
+For one request with acceptance α, k drafts emit 1 + α + α² + … + α^k = (1 − α^(k+1)) / (1 − α)
+tokens in expectation per target pass (the accepted prefix plus the bonus or recovered token). The
+draft at position j adds α^j: gains shrink with depth. A batch pays for them together: its step
+costs verify(tokens) + draft(depth), with tokens = the known tokens (one per decoding request, plus
+prefill chunks) + Σk, and depth = max k. So, for each depth D, the draft positions are taken best gain
+first while the batch's tokens per second still rise; the best D wins, and k = 0 for everyone when
+speculation would not beat plain decoding by MIN_RELATIVE_GAIN.
+
+This is what makes speculation back off under load: when the target pass turns compute-bound (a big
+batch, long prefill chunks), extra rows stop being nearly free, the marginal draft no longer pays,
+and k falls toward 0; with few requests and a cheap extra row, k rises to the configured maximum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from engine.adaptive.acceptance import AcceptanceTracker
+from engine.adaptive.step_cost import StepCostModel
+from engine.request import Request
+
+# speculate only when the model predicts at least this much more throughput than plain decoding:
+# the margin absorbs noise in the measured costs
+MIN_RELATIVE_GAIN = 0.03
+# a request left at k = 0 this many steps in a row drafts one token, so a request whose text turned
+# predictable is noticed (costs at most one extra row per PROBE_INTERVAL steps)
+PROBE_INTERVAL = 16
+
+
+def best_draft_lengths(alphas: np.ndarray, caps: np.ndarray, num_known_tokens: int,
+                       verify_seconds: Callable[[np.ndarray], np.ndarray],
+                       draft_seconds: Callable[[int], float],
+                       num_expected_tokens: float | None = None) -> np.ndarray:
+    """k per request ([batch] int) maximising expected emitted tokens / predicted step seconds.
+
+    alphas: [batch] acceptance estimates in [0, 1); caps: [batch] the most drafts each may take;
+    num_known_tokens: tokens the step computes whatever k is (decode rows + prefill chunks);
+    num_expected_tokens: tokens it emits with k = 0 (default: one per request).
+    """
+    batch = len(alphas)
+    base_emitted = float(batch if num_expected_tokens is None else num_expected_tokens)
+    plain_rate = base_emitted / (float(verify_seconds(np.array([num_known_tokens]))[0])
+                                 + draft_seconds(0))
+    max_depth = int(caps.max(initial=0))
+    if max_depth == 0:
+        return np.zeros(batch, dtype=np.int64)
+    positions = np.arange(1, max_depth + 1)
+    # gains[i, j-1]: expected extra tokens from request i's draft at position j
+    gains = np.where(positions[None, :] <= caps[:, None],
+                     alphas[:, None] ** positions[None, :], 0.0)  # [batch, max_depth]
+    best_rate, best_depth, best_chosen = plain_rate * (1 + MIN_RELATIVE_GAIN), 0, None
+    for depth in range(1, max_depth + 1):
+        flat = gains[:, :depth].ravel()
+        order = np.argsort(-flat, kind="stable")
+        order = order[flat[order] > 0]
+        if not len(order):
+            continue
+        num_drafts = np.arange(1, len(order) + 1)
+        rates = (base_emitted + np.cumsum(flat[order])) / (
+            verify_seconds(num_known_tokens + num_drafts) + draft_seconds(depth))
+        best = int(rates.argmax())
+        if rates[best] > best_rate:
+            best_rate, best_depth, best_chosen = rates[best], depth, order[:best + 1]
+    if best_chosen is None:
+        return np.zeros(batch, dtype=np.int64)
+    # NOTE: a row's gains fall with depth, so the chosen positions of each row are a prefix
+    return np.bincount(best_chosen // best_depth, minlength=batch)
+
+
+class AdaptiveSpeculation:
+    """Per-request k for the engine: learns costs and acceptance from the steps it sees."""
+
+    def __init__(self) -> None:
+        self.cost = StepCostModel()
+        self.acceptance = AcceptanceTracker()
+        # request id -> steps in a row it could have drafted but was given k = 0
+        self._steps_without_drafts: dict[str, int] = {}
+
+    def choose(self, requests: Sequence[Request], caps: Sequence[int],
+               num_prefill_tokens: int) -> list[int]:
+        """k for each decoding request of the next step, each at most its cap.
+
+        A seeded sampling request keeps its cap: its random numbers are consumed per draft, so a
+        k that followed measured timings would make its text differ run to run.
+        """
+        if not requests:
+            return []
+        is_fixed = [r.params.seed is not None and not r.params.is_greedy for r in requests]
+        adaptive = [i for i, keep in enumerate(is_fixed) if not keep]
+        fixed = [i for i, keep in enumerate(is_fixed) if keep]
+        fixed_alphas = [self.acceptance.alpha(requests[i].request_id) for i in fixed]
+        num_known = len(requests) + num_prefill_tokens + sum(caps[i] for i in fixed)
+        expected = len(adaptive) + sum(_expected_tokens(a, caps[i])
+                                       for a, i in zip(fixed_alphas, fixed))
+        min_depth = max((caps[i] for i in fixed), default=0)
+        chosen = list(caps)
+        if adaptive and self.cost.is_ready:
+            lengths = best_draft_lengths(
+                np.array([self.acceptance.alpha(requests[i].request_id) for i in adaptive]),
+                np.array([caps[i] for i in adaptive]), num_known, self.cost.verify_seconds,
+                lambda depth: self.cost.draft_seconds(max(depth, min_depth)), expected)
+            for i, k in zip(adaptive, lengths.tolist()):
+                chosen[i] = self._probe(requests[i].request_id, caps[i], k)
+        return chosen
+
+    def _probe(self, request_id: str, cap: int, k: int) -> int:
+        if k > 0 or cap == 0:
+            self._steps_without_drafts.pop(request_id, None)
+            return k
+        waited = self._steps_without_drafts.get(request_id, 0) + 1
+        if waited >= PROBE_INTERVAL:
+            self._steps_without_drafts.pop(request_id, None)
+            return 1
+        self._steps_without_drafts[request_id] = waited
+        return 0
+
+    def observe_verification(self, request_id: str, num_draft_tokens: int,
+                             num_accepted: int) -> None:
+        self.acceptance.observe(request_id, num_draft_tokens, num_accepted)
+
+    def free(self, request_id: str) -> None:
+        self.acceptance.free(request_id)
+        self._steps_without_drafts.pop(request_id, None)
+
+
+def _expected_tokens(alpha: float, k: int) -> float:
+    """(1 − α^(k+1)) / (1 − α): tokens one verification of k drafts emits in expectation."""
+    return sum(alpha ** j for j in range(k + 1))

@@ -1,0 +1,89 @@
+"""What a step costs, learned from the steps the engine runs: seconds of a target pass (with its
+verification) by the number of tokens it computes, and seconds of drafting by the draft depth.
+
+The target's curve is kept as points, not a formula: on a GPU a pass costs nearly the same from 1 to a
+few hundred tokens and then grows (compute-bound), on a CPU it grows from the first token; a table
+of measured points, interpolated and kept non-decreasing, serves both. Start-up calibration
+(engine/adaptive/calibration.py) seeds the table; every step then moves its point by an
+exponential average, so the table follows the real mix of batch sizes and context lengths.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+# weight of a new measurement in its point's average (~5 steps)
+SMOOTHING = 0.2
+# token counts up to this get a point each; above, points share a quarter-octave bucket
+EXACT_UP_TO = 32
+
+
+def _bucket(num_tokens: int) -> int:
+    if num_tokens <= EXACT_UP_TO:
+        return num_tokens
+    return EXACT_UP_TO + round(4 * math.log2(num_tokens / EXACT_UP_TO)) + 1
+
+
+class StepCostModel:
+    def __init__(self) -> None:
+        # bucket -> [mean tokens, mean seconds] of the target passes that fell in it
+        self._points: dict[int, list[float]] = {}
+        # drafting: seconds of a step that drafted nothing, and seconds per draft position after that
+        self._draft_base: float = 0.0
+        self._draft_per_position: float = 0.0
+        self._curve: tuple[np.ndarray, np.ndarray] | None = None
+
+    # ------------------------------------------------------------------ learning
+    def observe_verify(self, num_tokens: int, seconds: float) -> None:
+        """A target pass over `num_tokens` tokens (prefill chunks and drafts included) took `seconds`."""
+        if num_tokens < 1 or not math.isfinite(seconds):
+            return
+        point = self._points.get(_bucket(num_tokens))
+        if point is None:
+            self._points[_bucket(num_tokens)] = [float(num_tokens), seconds]
+        else:
+            point[0] += SMOOTHING * (num_tokens - point[0])
+            point[1] += SMOOTHING * (seconds - point[1])
+        self._curve = None
+
+    def observe_draft(self, depth: int, seconds: float) -> None:
+        """Proposing drafts of at most `depth` tokens for the batch took `seconds`."""
+        if not math.isfinite(seconds):
+            return
+        if depth == 0:
+            self._draft_base += SMOOTHING * (seconds - self._draft_base)
+        else:
+            per_position = max(0.0, seconds - self._draft_base) / depth
+            self._draft_per_position += SMOOTHING * (per_position - self._draft_per_position)
+
+    # ------------------------------------------------------------------ predicting
+    @property
+    def is_ready(self) -> bool:
+        return bool(self._points)
+
+    def verify_seconds(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Predicted seconds of target passes over `num_tokens` tokens (any shape)."""
+        tokens, seconds = self._monotone_curve()
+        inside = np.interp(num_tokens, tokens, seconds)
+        # NOTE: past the largest measured pass, assume cost grows in proportion to tokens (the
+        # compute-bound regime): pessimistic, so speculation never looks cheaper than it is
+        beyond = seconds[-1] * np.asarray(num_tokens, dtype=np.float64) / tokens[-1]
+        return np.where(np.asarray(num_tokens) > tokens[-1], beyond, inside)
+
+    def draft_seconds(self, depth: int) -> float:
+        """Predicted seconds of drafting up to `depth` tokens (0: what a step without drafts costs)."""
+        return self._draft_base + self._draft_per_position * depth
+
+    def _monotone_curve(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._curve is None:
+            if not self._points:
+                raise RuntimeError("no target pass measured yet")
+            points = sorted(self._points.values())
+            tokens = np.array([p[0] for p in points])
+            # NOTE: noise can make a bigger pass look cheaper than a smaller one; more tokens never
+            # cost less, or extra drafts would look free
+            seconds = np.maximum.accumulate(np.array([p[1] for p in points]))
+            self._curve = tokens, seconds
+        return self._curve

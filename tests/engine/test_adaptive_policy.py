@@ -1,0 +1,169 @@
+"""Adaptive speculation's choices, against brute force over every k it could have picked, on cost
+curves shaped like a GPU (flat, then compute-bound) and a CPU (every token costs)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from engine.adaptive import (
+    AcceptanceTracker,
+    AdaptiveSpeculation,
+    StepCostModel,
+    best_draft_lengths,
+)
+from engine.adaptive.policy import MIN_RELATIVE_GAIN, PROBE_INTERVAL
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+COST_SHAPES = {
+    # seconds of a target pass over n tokens
+    "gpu_flat_then_bound": lambda n: 0.010 * np.maximum(1.0, np.asarray(n, float) / 64),
+    "cpu_linear": lambda n: 0.020 + 0.004 * np.asarray(n, float),
+    "cpu_steep": lambda n: 0.004 + 0.010 * np.asarray(n, float),
+    "compute_bound": lambda n: 0.010 * np.asarray(n, float),
+}
+DRAFT_COSTS = {"free": lambda depth: 0.0, "per_position": lambda depth: 0.002 * depth}
+
+
+def rate(ks, alphas, num_known, verify, draft) -> float:
+    emitted = sum(sum(a ** j for j in range(k + 1)) for a, k in zip(alphas, ks))
+    return emitted / (float(verify(num_known + sum(ks))) + draft(max(ks)))
+
+
+def brute_force(alphas, caps, num_known, verify, draft) -> float:
+    """The best rate over every k vector, or plain decoding's when nothing beats it by the margin."""
+    plain = rate([0] * len(alphas), alphas, num_known, verify, draft)
+    best = max(rate(ks, alphas, num_known, verify, draft)
+               for ks in itertools.product(*(range(c + 1) for c in caps)))
+    return best if best > plain * (1 + MIN_RELATIVE_GAIN) else plain
+
+
+@pytest.mark.parametrize("shape", COST_SHAPES)
+@pytest.mark.parametrize("drafting", DRAFT_COSTS)
+def test_choice_is_the_brute_force_optimum(shape, drafting):
+    verify, draft = COST_SHAPES[shape], DRAFT_COSTS[drafting]
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        batch = int(rng.integers(1, 4))
+        alphas = rng.choice([0.0, 0.1, 0.4, 0.7, 0.9, 0.97], size=batch)
+        caps = rng.integers(0, 5, size=batch)
+        num_known = batch + int(rng.choice([0, 0, 30]))  # sometimes a prefill chunk rides along
+        ks = best_draft_lengths(alphas, caps, num_known, verify, draft)
+        assert (ks <= caps).all() and (ks >= 0).all()
+        got = rate(ks.tolist(), alphas, num_known, verify, draft)
+        assert got == pytest.approx(brute_force(alphas, caps, num_known, verify, draft), rel=1e-9)
+
+
+def test_one_request_follows_the_expected_length_formula():
+    """k maximises (1 - α^(k+1)) / (1 - α) / step seconds; as α rises, k never falls."""
+    verify = COST_SHAPES["cpu_linear"]
+    previous = 0
+    for alpha in np.linspace(0.0, 0.97, 30):
+        k = int(best_draft_lengths(np.array([alpha]), np.array([8]), 1, verify, lambda d: 0.0)[0])
+        expected = [(1 - alpha ** (j + 1)) / (1 - alpha) / verify(1 + j) for j in range(9)]
+        best = int(np.argmax(expected))
+        assert k == (best if expected[best] > expected[0] * (1 + MIN_RELATIVE_GAIN) else 0)
+        assert k >= previous
+        previous = k
+
+
+def test_speculation_shrinks_as_the_batch_grows():
+    """The same acceptance earns k > 0 alone and k = 0 in a big batch on a CPU-like curve, where
+    each extra row costs the same but the fixed cost of a pass is shared by more requests."""
+    verify = COST_SHAPES["cpu_linear"]
+    ks_by_batch = {}
+    for batch in (1, 4, 16, 64):
+        ks = best_draft_lengths(np.full(batch, 0.6), np.full(batch, 5), batch, verify,
+                                lambda d: 0.0)
+        ks_by_batch[batch] = int(ks.max())
+    assert ks_by_batch[1] > 0 and ks_by_batch[64] == 0
+    assert list(ks_by_batch.values()) == sorted(ks_by_batch.values(), reverse=True)
+
+
+def test_compute_bound_pass_never_speculates_and_a_flat_one_always_does():
+    alphas, caps = np.array([0.2, 0.6, 0.9]), np.array([4, 4, 4])
+    assert best_draft_lengths(alphas, caps, 3, COST_SHAPES["compute_bound"],
+                              lambda d: 0.0).tolist() == [0, 0, 0]
+    assert best_draft_lengths(alphas, caps, 3, COST_SHAPES["gpu_flat_then_bound"],
+                              lambda d: 0.0).tolist() == [4, 4, 4]
+
+
+def test_expensive_drafting_turns_speculation_off():
+    alphas, caps = np.array([0.7]), np.array([4])
+    verify = COST_SHAPES["gpu_flat_then_bound"]
+    assert best_draft_lengths(alphas, caps, 1, verify, lambda d: 0.001 * d)[0] > 0
+    # each draft position costs as much as a target pass: drafting can only lose
+    assert best_draft_lengths(alphas, caps, 1, verify, lambda d: 0.010 * d)[0] == 0
+
+
+def test_acceptance_follows_the_request_and_starts_from_the_engine_prior():
+    tracker = AcceptanceTracker()
+    for _ in range(30):
+        tracker.observe("good", 4, 4)
+        tracker.observe("bad", 4, 0)
+    assert tracker.alpha("good") > 0.9 and tracker.alpha("bad") < 0.2
+    assert tracker.alpha("new") == pytest.approx(tracker.engine_alpha)
+    assert tracker.engine_alpha == pytest.approx(0.5, abs=0.05)  # half the verifications went well
+    for _ in range(10):  # the good request's text stops being predictable
+        tracker.observe("good", 4, 0)
+    assert tracker.alpha("good") < 0.25
+    tracker.free("good")
+    assert tracker.alpha("good") == pytest.approx(tracker.engine_alpha)
+
+
+def test_cost_table_interpolates_keeps_order_and_is_pessimistic_beyond():
+    cost = StepCostModel()
+    for tokens, seconds in ((1, 0.010), (4, 0.012), (8, 0.011), (16, 0.020)):
+        cost.observe_verify(tokens, seconds)
+    predicted = cost.verify_seconds(np.array([1, 2, 4, 8, 12, 16, 32]))
+    assert predicted[0] == pytest.approx(0.010) and predicted[1] == pytest.approx(0.010 + 0.002 / 3)
+    assert predicted[3] == pytest.approx(0.012)  # the noisy cheaper 8-token pass is lifted
+    assert (np.diff(predicted) >= 0).all()
+    assert predicted[-1] == pytest.approx(0.040)  # twice the tokens of the largest, twice its cost
+    cost.observe_verify(16, 0.030)  # a new measurement moves the point part of the way
+    assert 0.020 < cost.verify_seconds(np.array([16]))[0] < 0.030
+
+
+def test_draft_cost_separates_the_fixed_part_from_each_position():
+    cost = StepCostModel()
+    for _ in range(60):
+        cost.observe_draft(0, 0.001)
+        cost.observe_draft(4, 0.001 + 4 * 0.003)
+    assert cost.draft_seconds(0) == pytest.approx(0.001, rel=1e-3)
+    assert cost.draft_seconds(2) == pytest.approx(0.007, rel=1e-2)
+
+
+def request(request_id: str, **params) -> Request:
+    return Request(request_id, [1, 2, 3], SamplingParams(max_tokens=64, **params), frozenset())
+
+
+def flat_cost() -> StepCostModel:
+    cost = StepCostModel()
+    for tokens in (1, 64, 128):
+        cost.observe_verify(tokens, 0.010 * max(1, tokens / 64))
+    return cost
+
+
+def test_a_request_left_at_zero_probes_one_draft_now_and_then():
+    policy = AdaptiveSpeculation()
+    policy.cost = flat_cost()
+    for _ in range(20):
+        policy.observe_verification("hopeless", 4, 0)
+    ks = [policy.choose([request("hopeless", temperature=0.0)], [4], 0)[0]
+          for _ in range(2 * PROBE_INTERVAL)]
+    assert ks.count(1) == 2 and set(ks) == {0, 1}
+    assert ks.index(1) == PROBE_INTERVAL - 1
+
+
+def test_seeded_sampling_keeps_its_cap_and_greedy_adapts():
+    policy = AdaptiveSpeculation()
+    policy.cost = flat_cost()
+    for name in ("seeded", "greedy"):
+        for _ in range(20):
+            policy.observe_verification(name, 4, 0)
+    ks = policy.choose([request("seeded", temperature=1.0, seed=7),
+                        request("greedy", temperature=0.0)], [3, 3], 0)
+    assert ks == [3, 0]
