@@ -1,0 +1,115 @@
+"""Schemathesis against a live server's /openapi.json: for every operation, requests generated from
+the schema (valid ones and deliberately invalid ones) never get a 5xx, and every 4xx comes in
+OpenAI's error shape. Bounded and reproducible: a fixed number of derandomized examples each."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from live_server import LiveServer
+from openai_errors import assert_openai_error
+from schemathesis.checks import not_a_server_error
+
+MAX_MODEL_LEN = 512
+# the server answers fast only if generated requests ask for little: larger values are kept to
+# these (huge ones are tested on their own in test_malformed_input.py)
+MAX_GENERATED_TOKENS = 8
+MAX_GENERATED_N = 2
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_llama):
+    with LiveServer(["--model", tiny_chat_llama, "--dtype", "float32", "--max-model-len",
+                     str(MAX_MODEL_LEN)]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api_schema(server):
+    return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def keep_small(body: dict) -> None:
+    """Cap the fields that set how much work a request is; no max (or null) would mean the
+    whole context."""
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = MAX_GENERATED_TOKENS
+    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        if is_int(body.get(name)) and body[name] > MAX_GENERATED_TOKENS:
+            body[name] = MAX_GENERATED_TOKENS
+    if is_int(body.get("n")) and body["n"] > MAX_GENERATED_N:
+        body["n"] = MAX_GENERATED_N
+
+
+def meet_rules_beyond_the_schema(body: dict) -> None:
+    """Rules the validators add to the schema (penalties must be neutral, no logit_bias, prompts
+    and user messages not empty, top_logprobs needs logprobs, stream_options needs stream)
+    reject most schema-valid requests; fixing only values of the types the schema asks for lets
+    valid requests reach the engine, while invalid parts stay invalid."""
+    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
+                          ("repetition_penalty", 1)):
+        if is_number(body.get(name)):
+            body[name] = neutral
+    if isinstance(body.get("logit_bias"), dict):
+        body["logit_bias"] = {}
+    prompt = body.get("prompt")
+    if prompt in ("", []):
+        body["prompt"] = "Hello"
+    elif isinstance(prompt, list) and any(p in ("", []) for p in prompt):
+        body["prompt"] = [p for p in prompt if p not in ("", [])] or "Hello"
+    if is_int(body.get("top_logprobs")) and isinstance(body.get("logprobs"), bool):
+        body["logprobs"] = True
+    if isinstance(body.get("stream_options"), dict) and isinstance(body.get("stream"), bool):
+        body["stream"] = True
+    messages = body.get("messages")
+    for message in messages if isinstance(messages, list) else []:
+        if (isinstance(message, dict) and message.get("content") is None
+                and message.get("role") != "assistant"):
+            message["content"] = "Hello"
+
+
+STATUSES: dict[str, Counter] = defaultdict(Counter)
+
+
+@schema.parametrize()
+@settings(max_examples=40, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_generated_requests_get_no_5xx_and_openai_shaped_4xx(case):
+    if isinstance(case.body, dict):
+        keep_small(case.body)
+        meet_rules_beyond_the_schema(case.body)
+    response = case.call(timeout=60)
+    STATUSES[f"{case.method} {case.path}"][response.status_code] += 1
+    case.validate_response(response, checks=[not_a_server_error])
+    assert response.status_code < 500, response.text[:1000]
+    if 400 <= response.status_code < 500:
+        assert_openai_error(response.content)
+
+
+def test_every_operation_was_exercised(server):
+    # runs after the generated tests: they reached every operation, and the generation endpoints
+    # both served valid requests and refused invalid ones
+    documented = {f"{method.upper()} {path}"
+                  for path, methods in httpx.get(f"{server.url}/openapi.json").json()["paths"].items()
+                  for method in methods}
+    assert documented <= set(STATUSES), documented - set(STATUSES)
+    for operation in ("POST /v1/completions", "POST /v1/chat/completions"):
+        assert STATUSES[operation][200] >= 5 and STATUSES[operation][400] >= 5, STATUSES[operation]
+    log = server.output()
+    assert "Traceback" not in log, log[log.find("Traceback") - 300:][:4000]
