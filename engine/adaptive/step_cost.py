@@ -3,7 +3,7 @@ verification) by the number of tokens it computes, and seconds of drafting by th
 
 The target's curve is kept as points, not a formula: on a GPU a pass costs nearly the same from 1 to a
 few hundred tokens and then grows (compute-bound), on a CPU it grows from the first token; a table
-of measured points, interpolated and kept non-decreasing, serves both. Start-up calibration
+of measured points, interpolated and made non-decreasing, serves both. Start-up calibration
 (engine/adaptive/calibration.py) seeds the table; every step then moves its point by an
 exponential average, so the table follows the real mix of batch sizes and context lengths.
 """
@@ -84,6 +84,20 @@ class StepCostModel:
             tokens = np.array([p[0] for p in points])
             # NOTE: noise can make a bigger pass look cheaper than a smaller one; more tokens never
             # cost less, or extra drafts would look free
-            seconds = np.maximum.accumulate(np.array([p[1] for p in points]))
-            self._curve = tokens, seconds
+            self._curve = tokens, non_decreasing_fit(np.array([p[1] for p in points]))
         return self._curve
+
+
+def non_decreasing_fit(values: np.ndarray) -> np.ndarray:
+    """The closest non-decreasing sequence in least squares (pool-adjacent-violators): a slow outlier
+    is averaged with its neighbours instead of lifting every point after it."""
+    # blocks of pooled neighbours: [mean, count], merged while a block's mean exceeds the next one's
+    blocks: list[list[float]] = []
+    for value in values.tolist():
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, count = blocks.pop()
+            previous = blocks[-1]
+            previous[0] = (previous[0] * previous[1] + mean * count) / (previous[1] + count)
+            previous[1] += count
+    return np.repeat([b[0] for b in blocks], [int(b[1]) for b in blocks])

@@ -15,6 +15,7 @@ from engine.adaptive import (
     best_draft_lengths,
 )
 from engine.adaptive.policy import MIN_RELATIVE_GAIN, PROBE_INTERVAL
+from engine.adaptive.step_cost import non_decreasing_fit
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -119,12 +120,20 @@ def test_cost_table_interpolates_keeps_order_and_is_pessimistic_beyond():
     for tokens, seconds in ((1, 0.010), (4, 0.012), (8, 0.011), (16, 0.020)):
         cost.observe_verify(tokens, seconds)
     predicted = cost.verify_seconds(np.array([1, 2, 4, 8, 12, 16, 32]))
-    assert predicted[0] == pytest.approx(0.010) and predicted[1] == pytest.approx(0.010 + 0.002 / 3)
-    assert predicted[3] == pytest.approx(0.012)  # the noisy cheaper 8-token pass is lifted
+    assert predicted[0] == pytest.approx(0.010) and predicted[1] == pytest.approx(0.010 + 0.0015 / 3)
+    # the noisy cheaper 8-token pass is pooled with the 4-token one before it
+    assert predicted[2] == predicted[3] == pytest.approx(0.0115)
     assert (np.diff(predicted) >= 0).all()
     assert predicted[-1] == pytest.approx(0.040)  # twice the tokens of the largest, twice its cost
     cost.observe_verify(16, 0.030)  # a new measurement moves the point part of the way
     assert 0.020 < cost.verify_seconds(np.array([16]))[0] < 0.030
+
+
+def test_monotone_fit_pools_an_outlier_with_its_neighbours_only():
+    fitted = non_decreasing_fit(np.array([1.0, 9.0, 2.0, 4.0, 5.0, 6.0]))
+    assert fitted.tolist() == [1.0, 5.0, 5.0, 5.0, 5.0, 6.0]
+    assert non_decreasing_fit(np.array([3.0, 1.0])).tolist() == [2.0, 2.0]
+    assert non_decreasing_fit(np.array([1.0, 2.0])).tolist() == [1.0, 2.0]
 
 
 def test_draft_cost_separates_the_fixed_part_from_each_position():
