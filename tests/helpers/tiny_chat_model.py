@@ -1,0 +1,31 @@
+"""A tiny random Llama that also carries a real tokenizer and chat template (the embedded model's),
+so text prompts, chat requests and streamed text reach the engine and come back in milliseconds."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from tiny_models import build_tiny_checkpoint
+
+from engine.models import loader
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+# the embedded SmolLM2 tokenizer's vocabulary and its special tokens
+VOCAB_SIZE = 49152
+BOS_TOKEN_ID = 1
+EOS_TOKEN_ID = 2
+
+
+def build_tiny_chat_checkpoint(path) -> str:
+    """Save the tiny random Llama with the embedded tokenizer's files beside it."""
+    embedded = loader.embedded_cache_dir(loader.embedded_gguf_path())
+    if not os.path.isfile(os.path.join(embedded, "config.json")):
+        loader.load_checkpoint(None, torch.float32)  # converts the GGUF once (~25 s)
+    path = build_tiny_checkpoint(path, "llama", vocab_size=VOCAB_SIZE, bos_token_id=BOS_TOKEN_ID,
+                                 eos_token_id=EOS_TOKEN_ID)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(embedded, name)):
+            shutil.copy(os.path.join(embedded, name), path)
+    return path
