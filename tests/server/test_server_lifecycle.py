@@ -26,6 +26,7 @@ DEADLINE_S = 60
     (["--model", "/no/such/model"], "no such file"),
     (["--dtype", "int3"], "dtype"),
     (["--port", "70000"], "--port"),
+    (["--max-body-mib", "0"], "--max-body-mib"),
 ])
 def test_bad_flags_fail_at_start_up(flags, message):
     result = subprocess.run([sys.executable, "-m", "server.cli", "serve", *flags],
