@@ -99,6 +99,12 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(503, "the engine is not running")
 
     generation = [Depends(authorized), Depends(accepting)]
+    # NOTE: what the generation routes answer besides 200, as /openapi.json documents it
+    errors = {status: {"model": ErrorResponse, "description": description}
+              for status, description in ((400, "Invalid request"), (401, "Bad or missing API key"),
+                                          (404, "Unknown model"), (413, "Request body too large"),
+                                          (429, "Waiting queue full (see Retry-After)"),
+                                          (503, "Engine down or server draining"))}
 
     @app.get("/health")
     async def health() -> Response:
@@ -119,14 +125,25 @@ def build_app(state: ServerState) -> FastAPI:
         return ModelList(data=[ModelCard(id=state.serving.served_model_name,
                                          max_model_len=state.serving.max_model_len)])
 
-    @app.post("/v1/completions", dependencies=generation)
+    @app.post("/v1/completions", dependencies=generation, responses=errors)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return _respond(await state.serving.completions(body, request.is_disconnected))
 
-    @app.post("/v1/chat/completions", dependencies=generation)
+    @app.post("/v1/chat/completions", dependencies=generation, responses=errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return _respond(await state.serving.chat(body, request.is_disconnected))
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        # validation errors are answered 400 in OpenAI's shape, never FastAPI's 422
+        schema = default_openapi()
+        for operations in schema.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        return schema
+
+    app.openapi = openapi
     return app
 
 

@@ -42,4 +42,8 @@ def test_healthy_server_and_openapi():
     assert app.get("/version").json()["version"]
     paths = app.get("/openapi.json").json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(paths)
+    # the statuses it documents are the ones it answers: 400 for bad input, never 422
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        statuses = set(paths[route]["post"]["responses"])
+        assert statuses == {"200", "400", "401", "404", "413", "429", "503"}
     assert app.get("/no/such/route").json()["error"]["type"] == "NotFoundError"
