@@ -91,18 +91,17 @@ class EngineCore:
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return []
-        num_prompt_tokens = sum(max(0, min(item.num_known_tokens,
-                                           item.request.num_prompt_tokens
-                                           - item.request.num_computed_tokens))
-                                for item in scheduled.scheduled)
+        num_prompt_tokens = _num_prompt_tokens(scheduled)
+        pass_start = time.perf_counter()
         out = self.worker.execute(scheduled, self.scheduler.block_manager)
         sampled = self.sampler(out.logits, scheduled.sampling)
+        target_pass_seconds = time.perf_counter() - pass_start
         if self.proposer is not None and self.proposer.needs_committed_hidden:
             self._record_target_hidden(scheduled.scheduled, sampled, out.token_hidden)
         updates = self.scheduler.commit(scheduled, sampled)
         verified = time.perf_counter()
         choices = self._propose_drafts(scheduled.sampling, sampled, out.hidden)
-        self._account(scheduled, sampled, choices, start, verified, updates)
+        self._account(scheduled, sampled, choices, start, verified, updates, target_pass_seconds)
         self.last_step_stats = self._step_stats(scheduled.sampling, sampled, choices, updates,
                                                 num_prompt_tokens, start, verified)
         return updates
@@ -154,7 +153,7 @@ class EngineCore:
 
     def _account(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
                  choices: list[DraftChoice], start: float, verified: float,
-                 updates: list[RequestUpdate]) -> None:
+                 updates: list[RequestUpdate], target_pass_seconds: float) -> None:
         """Totals, per-request timings, what adaptive speculation learns from this step; then the
         finished requests' proposer and adaptive state is dropped."""
         now = time.perf_counter()
@@ -167,7 +166,9 @@ class EngineCore:
             if choice.k > 0:
                 choice.request.spec_stats.draft_seconds += now - verified
         if self.adaptive is not None:
-            self.adaptive.cost.observe_verify(scheduled.num_batched_tokens, verified - start)
+            # NOTE: the target pass as calibration timed it; the rest of the step apart
+            self.adaptive.cost.observe_verify(scheduled.num_batched_tokens, target_pass_seconds)
+            self.adaptive.cost.observe_overhead(verified - start - target_pass_seconds)
             if choices:
                 self.adaptive.cost.observe_draft(max(c.k for c in choices), now - verified)
             for item, kept in zip(scheduled.sampling, sampled):
@@ -215,3 +216,10 @@ class EngineCore:
                     self.proposer.free(update.request_id)
                 if self.adaptive is not None:
                     self.adaptive.free(update.request_id)
+
+
+def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:
+    """Prompt tokens computed this step (recomputed output tokens after a preemption are not)."""
+    return sum(max(0, min(item.num_known_tokens,
+                          item.request.num_prompt_tokens - item.request.num_computed_tokens))
+               for item in scheduled.scheduled)

@@ -101,7 +101,7 @@ class AdaptiveSpeculation:
         if adaptive and self.cost.is_ready:
             lengths = best_draft_lengths(
                 np.array([self.acceptance.alpha(requests[i].request_id) for i in adaptive]),
-                np.array([caps[i] for i in adaptive]), num_known, self.cost.verify_seconds,
+                np.array([caps[i] for i in adaptive]), num_known, self.cost.step_seconds,
                 lambda depth: self.cost.draft_seconds(max(depth, min_depth)), expected)
             for i, k in zip(adaptive, lengths.tolist()):
                 chosen[i] = self._probe(requests[i].request_id, caps[i], k)

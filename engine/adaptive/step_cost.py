@@ -33,6 +33,8 @@ class StepCostModel:
         # drafting: seconds of a step that drafted nothing, and seconds per draft position after that
         self._draft_base: float = 0.0
         self._draft_per_position: float = 0.0
+        # the rest of a step (scheduling, commit), whatever its tokens: it dilutes every draft's cost
+        self._step_overhead: float = 0.0
         self._curve: tuple[np.ndarray, np.ndarray] | None = None
 
     # ------------------------------------------------------------------ learning
@@ -48,6 +50,11 @@ class StepCostModel:
             point[1] += SMOOTHING * (seconds - point[1])
         self._curve = None
 
+    def observe_overhead(self, seconds: float) -> None:
+        """A step spent `seconds` outside its target pass and drafting."""
+        if math.isfinite(seconds):
+            self._step_overhead += SMOOTHING * (max(0.0, seconds) - self._step_overhead)
+
     def observe_draft(self, depth: int, seconds: float) -> None:
         """Proposing drafts of at most `depth` tokens for the batch took `seconds`."""
         if not math.isfinite(seconds):
@@ -62,6 +69,10 @@ class StepCostModel:
     @property
     def is_ready(self) -> bool:
         return bool(self._points)
+
+    def step_seconds(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Predicted seconds of steps computing `num_tokens` tokens, drafting aside."""
+        return self.verify_seconds(num_tokens) + self._step_overhead
 
     def verify_seconds(self, num_tokens: np.ndarray) -> np.ndarray:
         """Predicted seconds of target passes over `num_tokens` tokens (any shape)."""

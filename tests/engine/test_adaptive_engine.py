@@ -39,6 +39,9 @@ class PinnedCost(StepCostModel):
     def observe_draft(self, depth: int, seconds: float) -> None:
         pass
 
+    def observe_overhead(self, seconds: float) -> None:
+        pass
+
 
 def adaptive_llm(checkpoint: str, spec: dict = NGRAM, **engine) -> LLM:
     llm = LLM(checkpoint, dtype="float64", max_model_len=128, num_kv_blocks=64,

@@ -129,6 +129,15 @@ def test_cost_table_interpolates_keeps_order_and_is_pessimistic_beyond():
     assert 0.020 < cost.verify_seconds(np.array([16]))[0] < 0.030
 
 
+def test_step_overhead_is_added_to_every_size():
+    cost = StepCostModel()
+    cost.observe_verify(1, 0.010)
+    cost.observe_verify(9, 0.018)
+    for _ in range(60):
+        cost.observe_overhead(0.005)
+    assert cost.step_seconds(np.array([1, 5])) == pytest.approx([0.015, 0.019], rel=1e-3)
+
+
 def test_monotone_fit_pools_an_outlier_with_its_neighbours_only():
     fitted = non_decreasing_fit(np.array([1.0, 9.0, 2.0, 4.0, 5.0, 6.0]))
     assert fitted.tolist() == [1.0, 5.0, 5.0, 5.0, 5.0, 6.0]
