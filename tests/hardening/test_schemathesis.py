@@ -10,16 +10,19 @@ from typing import Any
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from live_server import LiveServer
 from openai_errors import assert_openai_error
 from schemathesis.checks import not_a_server_error
+from schemathesis.generation import GenerationMode
 
 MAX_MODEL_LEN = 512
 # the server answers fast only if generated requests ask for little: larger values are kept to
 # these (huge ones are tested on their own in test_malformed_input.py)
 MAX_GENERATED_TOKENS = 8
 MAX_GENERATED_N = 2
+# per operation and generation mode (valid requests, deliberately invalid ones)
+EXAMPLES = 20
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +35,6 @@ def server(tiny_chat_llama):
 @pytest.fixture(scope="module")
 def api_schema(server):
     return schemathesis.openapi.from_url(f"{server.url}/openapi.json")
-
-
-schema = schemathesis.pytest.from_fixture("api_schema")
 
 
 def is_int(value: Any) -> bool:
@@ -87,10 +87,24 @@ def meet_rules_beyond_the_schema(body: dict) -> None:
 STATUSES: dict[str, Counter] = defaultdict(Counter)
 
 
-@schema.parametrize()
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
-def test_generated_requests_get_no_5xx_and_openai_shaped_4xx(case):
+# NOTE: hypothesis drives schemathesis' strategies directly, not through schemathesis' pytest
+# plugin, which breaks with some pytest releases
+@pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+def test_generated_requests_get_no_5xx_and_openai_shaped_4xx(api_schema, mode):
+    for result in api_schema.get_all_operations():
+        operation = result.ok()
+        if mode == GenerationMode.NEGATIVE and not operation.body:
+            continue  # a GET without parameters has nothing to get wrong
+
+        @given(case=operation.as_strategy(generation_mode=mode))
+        @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        def generated(case) -> None:
+            check_case(case)
+        generated()
+
+
+def check_case(case) -> None:
     if isinstance(case.body, dict):
         keep_small(case.body)
         meet_rules_beyond_the_schema(case.body)
