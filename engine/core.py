@@ -166,15 +166,8 @@ class EngineCore:
             if choice.k > 0:
                 choice.request.spec_stats.draft_seconds += now - verified
         if self.adaptive is not None:
-            # NOTE: the target pass as calibration timed it; the rest of the step apart
-            self.adaptive.cost.observe_verify(scheduled.num_batched_tokens, target_pass_seconds)
-            self.adaptive.cost.observe_overhead(verified - start - target_pass_seconds)
-            if choices:
-                self.adaptive.cost.observe_draft(max(c.k for c in choices), now - verified)
-            for item, kept in zip(scheduled.sampling, sampled):
-                if item.num_draft_tokens:
-                    self.adaptive.observe_verification(item.request.request_id,
-                                                       item.num_draft_tokens, len(kept.token_ids) - 1)
+            self.adaptive.observe_step(scheduled, sampled, [c.k for c in choices],
+                                       target_pass_seconds, verified - start, now - verified)
         self._free_request_state(updates)
 
     def gauge_snapshot(self) -> StepStats:

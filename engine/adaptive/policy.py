@@ -22,6 +22,7 @@ import numpy as np
 from engine.adaptive.acceptance import AcceptanceTracker
 from engine.adaptive.step_cost import StepCostModel
 from engine.request import Request
+from engine.scheduler import SampledTokens, SchedulerOutput
 
 # speculate only when the model predicts at least this much more throughput than plain decoding:
 # the margin absorbs noise in the measured costs
@@ -117,6 +118,20 @@ class AdaptiveSpeculation:
             return 1
         self._steps_without_drafts[request_id] = waited
         return 0
+
+    def observe_step(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
+                     chosen_ks: list[int], target_pass_seconds: float, verify_seconds: float,
+                     draft_seconds: float) -> None:
+        """Learn from one engine step: the target pass (timed as calibration times it), the rest of
+        its verification (scheduling, commit), its drafting, and each verification's acceptance."""
+        self.cost.observe_verify(scheduled.num_batched_tokens, target_pass_seconds)
+        self.cost.observe_overhead(verify_seconds - target_pass_seconds)
+        if chosen_ks:
+            self.cost.observe_draft(max(chosen_ks), draft_seconds)
+        for item, kept in zip(scheduled.sampling, sampled):
+            if item.num_draft_tokens:
+                self.observe_verification(item.request.request_id, item.num_draft_tokens,
+                                          len(kept.token_ids) - 1)
 
     def observe_verification(self, request_id: str, num_draft_tokens: int,
                              num_accepted: int) -> None:
