@@ -14,6 +14,8 @@ from typing import Any
 
 import msgpack
 
+from engine.request import TokenLogprobs
+
 
 # ---------------------------------------------------------------- server -> engine
 @dataclass
@@ -22,6 +24,8 @@ class AddRequest:
     prompt_token_ids: list[int]
     # SamplingParams fields (engine/sampling_params.py), validated again by the engine
     params: dict[str, Any]
+    # tenant isolation key (engine/request.py Request.cache_salt); None is the anonymous tenant
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -55,8 +59,8 @@ class TokenDelta:
 
     request_id: str
     new_token_ids: list[int]
-    # per new token: [token_id, logprob, rank, [[top_id, top_logprob], ...]]; None if not asked for
-    new_logprobs: list[list[Any]] | None = None
+    # per new token, the target's logprob and top alternatives; None if not asked for
+    new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     # the stop token id that ended it, if one did
     stop_reason: int | None = None
@@ -128,6 +132,14 @@ def decode(data: bytes) -> Any:
     name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
     if name == "EngineOutputs":
         stats = fields["stats"]
-        return EngineOutputs([TokenDelta(**d) for d in fields["deltas"]],
+        return EngineOutputs([_token_delta(d) for d in fields["deltas"]],
                              None if stats is None else StepStats(**stats))
     return MESSAGE_TYPES[name](**fields)
+
+
+def _token_delta(fields: dict[str, Any]) -> TokenDelta:
+    logprobs = fields.pop("new_logprobs")
+    if logprobs is not None:
+        logprobs = [TokenLogprobs(lp["token_id"], lp["logprob"], lp["rank"],
+                                  [tuple(top) for top in lp["top"]]) for lp in logprobs]
+    return TokenDelta(**fields, new_logprobs=logprobs)

@@ -1,15 +1,40 @@
 """One completion as its client sees it: token ids, text decoded incrementally, stop strings, and the
-text that is safe to stream. Shared by the offline LLM and the HTTP server, so both end a request on a
-stop string the same way."""
+pieces that are safe to stream. Shared by the offline LLM and the HTTP server, so both end a request on
+a stop string the same way.
+
+A speculative step can deliver several tokens at once; the completion keeps exactly the tokens up to
+the one that completes a stop string (their ids, logprobs and count), as decoding one token per step
+would. A streamed piece carries the text that no stop string can still claim and the logprobs of the
+tokens whose text it completes, so the pieces add up to the whole completion, token for token.
+"""
 
 from __future__ import annotations
 
+import bisect
+from dataclasses import dataclass
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
+
+
+@dataclass
+class StreamPiece:
+    """What one completion adds to a stream since its last piece."""
+
+    text: str
+    # the tokens whose text this piece completes (all that are left once finished)
+    token_ids: list[int]
+    # their target logprobs; None when the request did not ask for logprobs
+    logprobs: list[TokenLogprobs] | None
+    # set on the completion's last piece, and on no other
+    finish_reason: str | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.text and not self.token_ids and self.finish_reason is None
 
 
 class CompletionTracker:
@@ -27,6 +52,8 @@ class CompletionTracker:
         # True when a stop string ended it here: the engine does not know and must be told to abort
         self.needs_abort = False
         self._num_streamed_chars = 0
+        self._num_streamed_tokens = 0
+        self._is_finish_streamed = False
 
     @property
     def text(self) -> str:
@@ -44,28 +71,39 @@ class CompletionTracker:
             self.spec_stats = spec_stats
         if self.finished:
             return False  # already ended here by a stop string; this is the engine's abort echo
-        self.token_ids += new_token_ids
-        if self.logprobs is not None and new_logprobs:
-            self.logprobs += new_logprobs
+        num_taken = len(new_token_ids)
         detok = self.detokenizer
         if detok is not None:
             detok.update(new_token_ids)
-            if detok.matched_stop is not None:
-                self.finish_reason, self.stop_reason = FinishReason.STOP.value, detok.matched_stop
-                self.needs_abort = finish_reason is None
-                return True
+            num_taken = detok.num_tokens - len(self.token_ids)
+        self.token_ids += new_token_ids[:num_taken]
+        if self.logprobs is not None and new_logprobs:
+            self.logprobs += new_logprobs[:num_taken]
+        if detok is not None and detok.matched_stop is not None:
+            self.finish_reason, self.stop_reason = FinishReason.STOP.value, detok.matched_stop
+            self.needs_abort = finish_reason is None
+            return True
         if finish_reason is not None:
             self.finish_reason, self.stop_reason = finish_reason, stop_reason
             return True
         return False
 
-    def take_stream_text(self) -> str:
-        """Text not streamed yet that no stop string can still claim (all of it once finished)."""
-        if self.detokenizer is None:
-            return ""
-        end = len(self.text) if self.finished else self.detokenizer.num_stable_chars
-        if end <= self._num_streamed_chars:
-            return ""
-        piece = self.text[self._num_streamed_chars:end]
-        self._num_streamed_chars = end
-        return piece
+    def take_stream_piece(self) -> StreamPiece:
+        """Text not streamed yet that no stop string can still claim, with the tokens it completes
+        (everything left once finished)."""
+        if self.detokenizer is None or self.finished:
+            text_end, token_end = len(self.text), len(self.token_ids)
+        else:
+            text_end = self.detokenizer.num_stable_chars
+            token_end = bisect.bisect_right(self.detokenizer.token_text_ends, text_end)
+        text = self.text[self._num_streamed_chars:text_end]
+        token_start = self._num_streamed_tokens
+        self._num_streamed_chars = max(self._num_streamed_chars, text_end)
+        self._num_streamed_tokens = max(token_start, token_end)
+        finish_reason = None
+        if self.finished and not self._is_finish_streamed:
+            self._is_finish_streamed = True
+            finish_reason = self.finish_reason
+        return StreamPiece(
+            text, self.token_ids[token_start:token_end],
+            None if self.logprobs is None else self.logprobs[token_start:token_end], finish_reason)

@@ -6,6 +6,17 @@ from dataclasses import dataclass
 
 # top-N logprobs returned per token at most (OpenAI's own cap is 20)
 MAX_LOGPROBS = 20
+# stop strings per request, and characters per stop string, at most: every new token is matched
+# against each stop string over the last (longest stop) characters, so these bound that work
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+# seeds are in [0, SEED_RANGE): a torch generator takes 64-bit seeds, msgpack signed 64-bit ints
+SEED_RANGE = 2**63
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion `index` of n: seed + index, wrapped so it never leaves the range."""
+    return None if seed is None else (seed + index) % SEED_RANGE
 
 
 @dataclass(frozen=True)
@@ -60,10 +71,14 @@ class SamplingParams:
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ValueError(
                 f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= self.seed < SEED_RANGE:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
 

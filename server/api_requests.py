@@ -18,12 +18,20 @@ from pydantic import (
     field_validator,
 )
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
 
 # NOTE: token ids get no upper bound here; the server checks them against the vocabulary
 TokenId = Annotated[int, Field(ge=0)]
 MAX_INT32 = 2**31 - 1
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+# cache_salt: long enough for any digest or tenant name, short enough to cost nothing
+MAX_CACHE_SALT_CHARS = 256
 
 
 class SpeculativeDecodingOptions(BaseModel):
@@ -55,6 +63,15 @@ def _reject_unless_neutral(value: float | None, neutral: float) -> None:
         raise ValueError(f"not supported by specserve; only {neutral:g} is accepted")
 
 
+def _not_implemented(value: Any, *neutral: Any) -> Any:
+    """A field specserve does not implement yet may be absent or neutral; any other value is a 400,
+    since a client that asked for JSON output or tool calls must not get plain text silently."""
+    if value is not None and not any(value == n for n in neutral):
+        allowed = " or ".join(dict.fromkeys(["null", *(repr(n) for n in neutral)]))
+        raise ValueError(f"not supported by specserve yet; only {allowed} is accepted")
+    return value
+
+
 class _GenerationRequest(BaseModel):
     """Fields that Completions and Chat Completions share. None means the engine's default."""
 
@@ -73,7 +90,7 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # a lone string is normalised to a one-item list
-    stop: list[NonEmptyStr] | None = None
+    stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -84,6 +101,9 @@ class _GenerationRequest(BaseModel):
     min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
+    # extension (vLLM): state that outlives this request (suffix decoding's output cache, later
+    # prefix-cache blocks) is shared only with requests of the same API key and cache_salt
+    cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # specserve extra
     speculative_decoding: SpeculativeDecodingOptions | None = None
 
@@ -154,6 +174,19 @@ class CompletionRequest(_GenerationRequest):
     # top-N alternatives per token (OpenAI caps completions at 5; we allow MAX_LOGPROBS)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    # not implemented: 400 unless neutral
+    best_of: Any = None
+    suffix: Any = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_must_be_n(cls, best_of: Any, info: ValidationInfo) -> Any:
+        return _not_implemented(best_of, 1, info.data.get("n", 1))
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix_must_be_empty(cls, suffix: Any) -> Any:
+        return _not_implemented(suffix, "")
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -229,6 +262,27 @@ class ChatCompletionRequest(_GenerationRequest):
     # NOTE: logprobs comes before top_logprobs: the latter's validator reads it
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # not implemented: 400 unless neutral (a later issue brings JSON output; tool calls are not planned)
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_must_be_text(cls, response_format: Any) -> Any:
+        return _not_implemented(response_format, {"type": "text"})
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, tools: Any) -> Any:
+        return _not_implemented(tools, [])
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, tool_choice: Any) -> Any:
+        return _not_implemented(tool_choice, "none", "auto")
 
     @field_validator("top_logprobs")
     @classmethod

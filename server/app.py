@@ -3,7 +3,6 @@ every failure to OpenAI's error shape with its status (never a 500 for bad input
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -13,13 +12,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.api_key import ApiKeyCheck
 from server.api_requests import ChatCompletionRequest, CompletionRequest
 from server.api_responses import ModelCard, ModelList
 from server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
 from server.engine_client import EngineClient
 from server.errors import ApiError, ErrorResponse
+from server.generation import ClientDisconnected
 from server.metrics import ServerMetrics
-from server.openai_serving import ClientDisconnected, OpenAIServing
+from server.openai_serving import OpenAIServing
 
 # FastAPI's message when reading the body failed for a reason other than JSON syntax
 _BODY_PARSE_FAILED = "There was an error parsing the body"
@@ -48,6 +49,9 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specserve", version=specserve_version(),
                   description="OpenAI-compatible inference with lossless speculative decoding")
     app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
+    if state.api_key is not None:
+        # NOTE: added last, so it runs first: the key is checked before the body is read (401 first)
+        app.add_middleware(ApiKeyCheck, api_key=state.api_key)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -82,23 +86,13 @@ def build_app(state: ServerState) -> FastAPI:
         message = f"internal server error ({type(error).__name__})"
         return JSONResponse(ApiError(500, message).body(), status_code=500)
 
-    async def authorized(request: Request) -> None:
-        if state.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        # NOTE: constant-time comparison, so response timing does not leak the key
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(),
-                                                                 state.api_key.encode()):
-            raise ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                           code="invalid_api_key")
-
     async def accepting() -> None:
         if state.draining:
             raise ApiError(503, "the server is shutting down", retry_after=5)
         if not state.client.is_alive:
             raise ApiError(503, "the engine is not running")
 
-    generation = [Depends(authorized), Depends(accepting)]
+    generation = [Depends(accepting)]
     # NOTE: what the generation routes answer besides 200, as /openapi.json documents it
     errors = {status: {"model": ErrorResponse, "description": description}
               for status, description in ((400, "Invalid request"), (401, "Bad or missing API key"),
@@ -120,7 +114,7 @@ def build_app(state: ServerState) -> FastAPI:
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.serving.served_model_name,
                                          max_model_len=state.serving.max_model_len)])

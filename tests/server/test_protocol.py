@@ -14,7 +14,12 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import ValidationError
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
 from engine.spec_stats import SpecStats
 from server.api_requests import ChatCompletionRequest, CompletionRequest
 from server.api_responses import (
@@ -77,6 +82,9 @@ def spec_metrics() -> ResponseMetrics:
     ({"stop": ""}, "stop.0"),
     ({"stop": ["###", ""]}, "stop.1"),
     ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+    ({"stop": ["ok", "x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop.1"),
+    ({"cache_salt": ""}, "cache_salt"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": ["a", 1]}, "prompt"),
@@ -154,7 +162,34 @@ def test_unknown_fields_are_ignored() -> None:
     request = chat(user="alice", metadata={"team": "a"}, store=False, frobnicate=1)
     assert request.user == "alice"
     assert not hasattr(request, "frobnicate")
-    assert completion(suffix="!", best_of=1).prompt == "hi"
+    assert completion(suffix="", best_of=1).prompt == "hi"
+
+
+@pytest.mark.parametrize("build, name, value", [
+    (completion, "best_of", 2),
+    (completion, "suffix", "!"),
+    (chat, "response_format", {"type": "json_object"}),
+    (chat, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+    (chat, "tools", [{"type": "function", "function": {"name": "f"}}]),
+    (chat, "tool_choice", "required"),
+    (chat, "tool_choice", {"type": "function", "function": {"name": "f"}}),
+    (chat, "functions", [{"name": "f"}]),
+    (chat, "function_call", {"name": "f"}),
+])
+def test_unimplemented_fields_are_refused_unless_neutral(build, name: str, value: Any) -> None:
+    with pytest.raises(ValidationError, match="not supported by specserve yet") as caught:
+        build(**{name: value})
+    assert caught.value.errors()[0]["loc"] == (name,)
+
+
+@pytest.mark.parametrize("build, fields", [
+    (completion, {"best_of": 1, "suffix": ""}),
+    (completion, {"best_of": 3, "n": 3, "suffix": None}),
+    (chat, {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
+    (chat, {"tool_choice": "auto", "functions": None, "function_call": "none"}),
+])
+def test_neutral_values_of_unimplemented_fields_are_accepted(build, fields: dict[str, Any]) -> None:
+    build(**fields)
 
 
 def test_json_integers_are_valid_floats() -> None:
