@@ -22,7 +22,7 @@ class CompletionFormatter(ResponseFormatter):
         super().__init__(tokenizer, model_name, "cmpl")
         self.echo = echo
         self.n = n
-        # per choice, characters streamed so far: where its next token's text_offset starts
+        # per choice, the text_offset its next streamed token gets
         self._text_offsets: dict[int, int] = {}
 
     def response(self, generation: Generation) -> CompletionResponse:
@@ -41,12 +41,12 @@ class CompletionFormatter(ResponseFormatter):
 
     def piece_chunk(self, piece: ChoicePiece,
                     metrics: ResponseMetrics | None) -> CompletionStreamResponse:
-        offset = self._text_offsets.get(piece.index, 0)
-        self._text_offsets[piece.index] = offset + len(piece.piece.text)
-        logprobs = piece.piece.logprobs
+        logprobs = None
+        if piece.piece.logprobs:
+            logprobs = self._logprobs(piece.piece.logprobs, self._text_offsets.get(piece.index, 0))
+            self._text_offsets[piece.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
         return self._chunk([CompletionChoice(
-            index=piece.index, text=piece.piece.text,
-            logprobs=self._logprobs(logprobs, offset) if logprobs else None,
+            index=piece.index, text=piece.piece.text, logprobs=logprobs,
             finish_reason=piece.piece.finish_reason)], metrics=metrics)
 
     def usage_chunk(self, generation: Generation) -> CompletionStreamResponse:
@@ -58,7 +58,8 @@ class CompletionFormatter(ResponseFormatter):
 
     def _logprobs(self, logprobs: list[TokenLogprobs] | None,
                   offset: int) -> CompletionLogprobs | None:
-        """OpenAI's parallel lists; text_offset counts from `offset`, where these tokens start."""
+        """OpenAI's parallel lists; text_offset counts each token's text from `offset`, where
+        these tokens start (tokens as decoded alone, as `tokens` shows them)."""
         if logprobs is None:
             return None
         out = CompletionLogprobs()
