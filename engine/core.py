@@ -66,15 +66,19 @@ class EngineCore:
         # what the last step did, for the metrics exporter
         self.last_step_stats = StepStats()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """`cache_salt` names the request's tenant: requests share cross-request state (suffix
+        decoding's output cache) only with requests of the same salt; None shares with nobody."""
         vocab_size = self.worker.arch.vocab_size
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-        self.scheduler.add_request(
-            Request(request_id, list(prompt_token_ids), params, self.eos_token_ids))
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params,
+                                           self.eos_token_ids, cache_salt=cache_salt))
 
     def abort(self, request_ids: list[str]) -> list[RequestUpdate]:
         updates = [u for u in map(self.scheduler.abort, request_ids) if u is not None]

@@ -99,7 +99,7 @@ class EngineLoop:
         if isinstance(message, AddRequest):
             try:
                 self.core.add_request(message.request_id, message.prompt_token_ids,
-                                      SamplingParams(**message.params))
+                                      SamplingParams(**message.params), message.cache_salt)
             except (ValueError, TypeError) as error:
                 self._send(RequestRejected(message.request_id, str(error)))
         elif isinstance(message, AbortRequests):
@@ -120,8 +120,7 @@ def _delta(update: RequestUpdate) -> TokenDelta:
     return TokenDelta(
         request_id=update.request_id,
         new_token_ids=update.new_token_ids,
-        new_logprobs=None if update.new_logprobs is None else [
-            [lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]] for lp in update.new_logprobs],
+        new_logprobs=update.new_logprobs,
         finish_reason=None if update.finish_reason is None else update.finish_reason.value,
         stop_reason=update.stop_reason,
         spec_stats=None if update.spec_stats is None else update.spec_stats.as_dict(),

@@ -13,13 +13,17 @@ from engine.core import EngineCore
 from engine.engine_args import EngineArgs
 from engine.output_processor import CompletionTracker
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, child_seed
 from engine.scheduler import RequestUpdate
 from engine.spec_config import SpeculativeConfig
 from engine.spec_stats import SpecStats
 
-# a prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}
+# a prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}; a dict may add
+# "cache_salt": the request's tenant (cross-request state such as suffix decoding's output cache is
+# shared only between prompts with the same salt)
 PromptType = str | list[int] | dict[str, Any]
+# the tenant of prompts without a salt: an LLM serves one user, who shares with themself
+DEFAULT_CACHE_SALT = "offline"
 
 
 class LLM:
@@ -81,7 +85,8 @@ class LLM:
                 for index in range(params.n):
                     child_id = f"{result.request_id}-{index}"
                     child_params = self._child_params(params, index)
-                    self.engine.add_request(child_id, token_ids, child_params)
+                    self.engine.add_request(child_id, token_ids, child_params,
+                                            _cache_salt(prompt))
                     completion = CompletionOutput(index, "", [],
                                                   logprobs=[] if params.logprobs is not None else None)
                     result.outputs.append(completion)
@@ -121,9 +126,8 @@ class LLM:
 
     @staticmethod
     def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-        """Each of n completions is its own request; seeded ones get seed + index to differ."""
-        seed = None if params.seed is None else params.seed + index
-        return dataclasses.replace(params, n=1, seed=seed)
+        """Each of n completions is its own request; seeded ones get seeds of their own."""
+        return dataclasses.replace(params, n=1, seed=child_seed(params.seed, index))
 
     @staticmethod
     def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
@@ -138,6 +142,7 @@ class LLM:
 
     def _tokenize(self, prompt: PromptType) -> list[int]:
         if isinstance(prompt, dict):
+            _cache_salt(prompt)  # validated with the rest, before any prompt is added
             if "prompt_token_ids" in prompt:
                 return list(prompt["prompt_token_ids"])
             if "prompt" not in prompt:
@@ -153,3 +158,11 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model folder has no tokenizer: pass prompt token ids instead")
         return self.tokenizer
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    salt = prompt.get("cache_salt", DEFAULT_CACHE_SALT) if isinstance(prompt, dict) \
+        else DEFAULT_CACHE_SALT
+    if not isinstance(salt, str):
+        raise TypeError(f'a prompt\'s "cache_salt" must be a string, got {type(salt).__name__}')
+    return salt

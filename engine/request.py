@@ -62,6 +62,10 @@ class Request:
     # [len(draft_token_ids), vocab] draft distribution q, None for deterministic drafts
     draft_probs: torch.Tensor | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
+    # tenant isolation key: state that outlives the request and that another request could observe
+    # (suffix decoding's output cache) is shared only between requests with the same salt; None
+    # belongs to no tenant and shares with nobody
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

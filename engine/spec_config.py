@@ -26,6 +26,8 @@ METHODS = ("ngram", "draft_model", "eagle", "mlp_speculator", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 # suffix trees cost O(depth) per committed token in Python: deeper buys little and costs every step
 MAX_SUFFIX_DEPTH = 64
+# who drafts from whose finished outputs: requests of one tenant (same cache_salt), or everybody
+SUFFIX_CACHE_SCOPES = ("tenant", "global")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,10 @@ class SpeculativeConfig:
     suffix_min_token_prob: float = 0.1
     # suffix: at most this many draft tokens per matched context token (the paper's MAX_SPEC = α·p)
     suffix_factor: float = 1.0
+    # suffix: "tenant" = a request drafts only from outputs of requests with its cache_salt (API
+    # key + salt: acceptance counts could otherwise reveal other clients' outputs); "global" = from
+    # every request's outputs (one trusted client). suffix_max_cached_tokens bounds the total.
+    suffix_cache_scope: str = "tenant"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -83,6 +89,9 @@ class SpeculativeConfig:
                              f"got {self.suffix_min_token_prob}")
         if not (self.suffix_factor > 0 and math.isfinite(self.suffix_factor)):
             raise ValueError(f"suffix_factor must be a finite number > 0, got {self.suffix_factor}")
+        if self.suffix_cache_scope not in SUFFIX_CACHE_SCOPES:
+            raise ValueError(f"suffix_cache_scope must be one of {', '.join(SUFFIX_CACHE_SCOPES)}, "
+                             f"got {self.suffix_cache_scope!r}")
 
     @classmethod
     def from_json(cls, value: str | dict[str, Any]) -> SpeculativeConfig:
@@ -105,7 +114,8 @@ class SpeculativeConfig:
                               ("prompt_lookup_min", int), ("prompt_lookup_max", int),
                               ("suffix_max_depth", int), ("suffix_max_cached_tokens", int),
                               ("suffix_min_token_prob", numbers.Real),
-                              ("suffix_factor", numbers.Real), ("adaptive", bool)):
+                              ("suffix_factor", numbers.Real), ("suffix_cache_scope", str),
+                              ("adaptive", bool)):
             if key in value and (not isinstance(value[key], expected)
                                  or (isinstance(value[key], bool) and expected is not bool)):
                 raise ValueError(f"speculative config {key!r} must be {expected.__name__}, "

@@ -9,6 +9,9 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Mapping
+
+API_KEY_ENV = "SPECSERVE_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,8 +48,9 @@ def _add_serve_parser(commands) -> None:
                        help="the name clients pass as `model` (default: from the model path)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on /v1 (or SPECSERVE_API_KEY)")
+    serve.add_argument("--api-key", default=None,
+                       help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV}; "
+                            f"neither set: no key is asked for; set but empty: refused)")
     serve.add_argument("--speculative-config", default=None,
                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
@@ -70,6 +74,8 @@ def _add_serve_parser(commands) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    api_key = resolve_api_key(args.api_key, os.environ)  # NOTE: first, before anything loads
+
     from engine.engine_args import EngineArgs
     from server.serve import ServerArgs, serve
 
@@ -87,12 +93,35 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}")
     if not args.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be positive, got {args.max_body_mib}")
-    server_args = ServerArgs(host=args.host, port=args.port, api_key=args.api_key,
+    server_args = ServerArgs(host=args.host, port=args.port, api_key=api_key,
                              served_model_name=args.served_model_name,
                              max_waiting_requests=args.max_waiting_requests,
                              drain_timeout=args.drain_timeout, log_level=args.log_level,
                              max_body_bytes=int(args.max_body_mib * 2**20))
     return asyncio.run(serve(engine_args, server_args))
+
+
+def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
+    """The key /v1 asks for: --api-key, else $SPECSERVE_API_KEY, else None (no key asked for).
+
+    A key that is set but empty or blank is refused: it would let every `Bearer ` header in, and
+    it usually means a deployment lost its secret (an empty Kubernetes Secret, an unset variable
+    passed on as ""), which must not silently turn authentication off. Whitespace around a key is
+    refused too: no client can send it in a header, so nobody could get in.
+    """
+    if flag is not None:
+        source, key = "--api-key", flag
+    else:
+        source, key = API_KEY_ENV, environ.get(API_KEY_ENV)
+    if key is None:
+        return None
+    if not key.strip():
+        raise ValueError(f"{source} is set but empty: refusing to serve /v1 without a key. Set a "
+                         f"non-empty key, or leave {source} unset to serve without API keys")
+    if key != key.strip():
+        raise ValueError(f"{source} starts or ends with whitespace (a trailing newline from a "
+                         f"file?); no client could send it: strip it")
+    return key
 
 
 def run_generate(args: argparse.Namespace) -> int:

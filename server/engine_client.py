@@ -1,6 +1,9 @@
 """The HTTP process's handle on the engine process: starts it, waits for its readiness message, sends
 requests and aborts, routes each step's token deltas to the request they belong to, and notices when
 the engine dies so every waiting request ends with an error instead of hanging.
+
+NOTE: a background task of this client (the output router, the process watchdog) that ends with an
+error counts as a dead engine: nothing would route outputs any more, so every request would hang.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ class EngineClient:
         self.on_dead = on_dead
         self.ready: EngineReady | None = None
         self.dead_reason: str | None = None
+        # set once the in-flight requests were failed and on_dead was called (_fail runs once)
+        self._has_failed = False
+        # set by shutdown(): tasks ending from then on are being stopped, not failing
+        self._is_shutting_down = False
         self._queues: dict[str, asyncio.Queue[TokenDelta | Exception]] = {}
         self._process: multiprocessing.process.BaseProcess | None = None
         self._tasks: list[asyncio.Task] = []
@@ -105,12 +112,15 @@ class EngineClient:
             if loop.time() > deadline:
                 raise EngineStartError(f"the engine did not become ready within {timeout:.0f} s")
         self.ready = message
-        self._tasks = [asyncio.create_task(self._route_outputs()),
-                       asyncio.create_task(self._watch_process())]
+        self._tasks = [asyncio.create_task(self._route_outputs(), name="engine-output-router"),
+                       asyncio.create_task(self._watch_process(), name="engine-watchdog")]
+        for task in self._tasks:
+            task.add_done_callback(self._on_task_done)
         return message
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Ask the engine to exit; kill it if it does not."""
+        self._is_shutting_down = True
         for task in self._tasks:
             task.cancel()
         if self._process is not None and self._process.is_alive():
@@ -129,17 +139,19 @@ class EngineClient:
 
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
-                          params: SamplingParams) -> asyncio.Queue[TokenDelta | Exception]:
+                          params: SamplingParams, cache_salt: str | None = None,
+                          ) -> asyncio.Queue[TokenDelta | Exception]:
         """Queue of this request's deltas; it ends with a delta carrying finish_reason, or an
         exception (RequestRejectedError, EngineDeadError). Raises RequestRejectedError when the
-        request cannot be encoded for the engine."""
+        request cannot be encoded for the engine. `cache_salt` is the request's tenant (None: the
+        anonymous one): only requests of one tenant share state that outlives a request."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         try:
             message = encode(AddRequest(request_id, list(prompt_token_ids),
-                                        dataclasses.asdict(params)))
+                                        dataclasses.asdict(params), cache_salt))
         except (OverflowError, TypeError, ValueError) as error:  # e.g. an integer beyond 64 bits
             raise RequestRejectedError(f"the request cannot be sent to the engine: {error}") from None
         queue: asyncio.Queue[TokenDelta | Exception] = asyncio.Queue()
@@ -190,11 +202,30 @@ class EngineClient:
     async def _watch_process(self) -> None:
         while self._process.is_alive() and self.dead_reason is None:
             await asyncio.sleep(WATCHDOG_SECONDS)
-        self.dead_reason = self.dead_reason or (
-            f"the engine process exited unexpectedly (exit code {self._process.exitcode})")
+        self._fail(f"the engine process exited unexpectedly (exit code {self._process.exitcode})")
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        """A background task that raised leaves nobody routing outputs: fail like a dead engine."""
+        if task.cancelled() or self._is_shutting_down or task.exception() is None:
+            return
+        error = task.exception()
+        logger.error("the engine client's %s task failed", task.get_name(),
+                     exc_info=(type(error), error, error.__traceback__))
+        self._fail(f"the server's {task.get_name()} failed: {type(error).__name__}: {error}")
+
+    def _fail(self, reason: str) -> None:
+        """The engine is dead to this server (keeps an earlier, more precise reason): fail every
+        in-flight request, stop the engine process if it still runs, tell on_dead. Runs once."""
+        self.dead_reason = self.dead_reason or reason
+        if self._has_failed:
+            return
+        self._has_failed = True
         logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._queues))
         queues, self._queues = self._queues, {}
         for queue in queues.values():
             queue.put_nowait(EngineDeadError(self.dead_reason))
+        if self._process is not None and self._process.is_alive():
+            # NOTE: nothing reads its outputs any more; shutdown() reaps it
+            self._process.kill()
         if self.on_dead is not None:
             self.on_dead()

@@ -108,7 +108,8 @@ async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         metrics = ServerMetrics(name, ready.speculative_method, ready.num_speculative_tokens)
         callbacks.metrics = metrics
         tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
-        serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests)
+        serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests,
+                                server_args.api_key)
         state = ServerState(client, serving, metrics, server_args.api_key,
                             max_body_bytes=server_args.max_body_bytes)
         method = ready.speculative_method or "none"

@@ -27,7 +27,8 @@ def build_proposer(config: SpeculativeConfig, worker: Worker) -> Proposer:
         from engine.proposers.suffix import SuffixProposer
 
         return SuffixProposer(config.suffix_max_depth, config.suffix_max_cached_tokens,
-                              config.suffix_min_token_prob, config.suffix_factor)
+                              config.suffix_min_token_prob, config.suffix_factor,
+                              is_cache_shared_across_tenants=config.suffix_cache_scope == "global")
     if config.method == "mlp_speculator":
         from engine.proposers.mlp_speculator import MLPSpeculatorProposer
 

@@ -86,7 +86,10 @@ class DraftModelProposer(Proposer):
                     position, position + 1)[0] != draft:
                 break
             num_valid += 1
-        state.num_cached = min(state.num_cached, num_valid)
+        # NOTE: the newest token is always fed again, since its logits draft the next token. A draft
+        # that the scheduler left unverified can equal the token then committed at its position
+        # (its K/V valid), and would otherwise leave nothing to feed.
+        state.num_cached = min(state.num_cached, num_valid, request.num_tokens - 1)
         state.draft_token_ids = []
 
     def _pending(self, request: Request, drafts: list[int]) -> list[int]:

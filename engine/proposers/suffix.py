@@ -1,6 +1,7 @@
 """SuffixDecoding (arXiv 2411.04975): draft what most often followed the context's longest suffix,
-in the request's own prompt + output or in recent outputs of finished requests. Free to compute,
-and strong wherever outputs repeat (agents, code edits, templated answers)."""
+in the request's own prompt + output or in recent outputs of finished requests of the same tenant
+(suffix_cache.py). Free to compute, and strong wherever outputs repeat (agents, code edits,
+templated answers)."""
 
 from __future__ import annotations
 
@@ -9,42 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.proposers.base import DraftProposal, Proposer
+from engine.proposers.suffix_cache import TenantOutputCaches
 from engine.proposers.suffix_tree import SuffixTree
 from engine.request import Request
-
-
-class OutputCache:
-    """Recent finished outputs for every request to draft from, at most max_cached_tokens tokens.
-
-    Eviction works on whole generations: outputs go into the newer of two trees of up to half the
-    bound each; when the newer one is full, the older one (the oldest outputs) is dropped and a
-    fresh tree takes new outputs. Dropping a tree is O(1) and frees all of it, where removing
-    outputs one by one from a shared tree would need per-node bookkeeping. The cost: right after a
-    drop, only half the bound is cached.
-    """
-
-    def __init__(self, max_depth: int, max_cached_tokens: int) -> None:
-        self.max_depth = max_depth
-        self.max_generation_tokens = max_cached_tokens // 2
-        self.newer = SuffixTree(max_depth)
-        self.older: SuffixTree | None = None
-
-    def add(self, token_ids: list[int]) -> None:
-        """Cache one finished output; one longer than a generation keeps only its last tokens."""
-        if self.max_generation_tokens == 0 or not token_ids:
-            return
-        tokens = token_ids[-self.max_generation_tokens:]
-        if self.newer.num_tokens + len(tokens) > self.max_generation_tokens:
-            self.older, self.newer = self.newer, SuffixTree(self.max_depth)
-        self.newer.add_sequence(tokens)
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return sum(tree.num_tokens for tree in self.trees)
-
-    @property
-    def trees(self) -> list[SuffixTree]:
-        return [tree for tree in (self.newer, self.older) if tree is not None and tree.num_tokens]
 
 
 @dataclass
@@ -62,12 +30,13 @@ class SuffixProposer(Proposer):
     O(max_depth) per token."""
 
     def __init__(self, max_depth: int, max_cached_tokens: int, min_token_prob: float,
-                 factor: float) -> None:
+                 factor: float, is_cache_shared_across_tenants: bool = False) -> None:
         self.max_depth = max_depth
         self.min_token_prob = min_token_prob
         # the paper's MAX_SPEC = factor * match length: short matches are weak evidence
         self.factor = factor
-        self.cache = OutputCache(max_depth, max_cached_tokens)
+        self.cache = TenantOutputCaches(max_depth, max_cached_tokens,
+                                        is_cache_shared_across_tenants)
         self._states: dict[str, _RequestState] = {}
 
     def propose(self, requests: list[Request], max_num_tokens: list[int],
@@ -84,23 +53,24 @@ class SuffixProposer(Proposer):
                 continue
             tree = state.tree
             tree.extend(request.token_ids_between(len(tree.tokens), request.num_tokens))
-            proposals.append(DraftProposal(self._draft(tree, cap)))
+            cached_trees = self.cache.trees(request.cache_salt)
+            proposals.append(DraftProposal(self._draft(tree, cached_trees, cap)))
         return proposals
 
     def free(self, request_id: str) -> None:
-        """Drop the request's tree; its output joins the cache for the requests after it."""
+        """Drop the request's tree; its output joins its tenant's cache for later requests."""
         state = self._states.pop(request_id, None)
         if state is not None:
-            self.cache.add(state.request.output_token_ids)
+            self.cache.add(state.request.cache_salt, state.request.output_token_ids)
 
     @property
     def num_tracked_requests(self) -> int:
         return len(self._states)
 
-    def _draft(self, tree: SuffixTree, cap: int) -> list[int]:
+    def _draft(self, tree: SuffixTree, cached_trees: list[SuffixTree], cap: int) -> list[int]:
         """The best-scoring draft (score: expected accepted tokens) from the request's own tree and
-        from the deepest match in each cached tree; ties go to the request's own tree, then to
-        newer outputs."""
+        from the deepest match in each of its tenant's cached trees; ties go to the request's own
+        tree, then to newer outputs."""
         cap = min(cap, self.max_depth - 1)
         # a match plus its draft must fit in max_depth tokens, the deepest path the trees index
         max_match = self.max_depth - cap
@@ -114,7 +84,7 @@ class SuffixProposer(Proposer):
             draft, score = tree.continuation(repeat, repeat.length, max_draft, self.min_token_prob)
             if score > best_score:
                 best_draft, best_score = draft, score
-        for cached in self.cache.trees:
+        for cached in cached_trees:
             node, offset, match_length = cached.longest_match(tree.tokens, max_match)
             if match_length == 0:
                 continue

@@ -105,10 +105,14 @@ def test_probes_hit_health_on_the_served_port_and_the_drain_fits_the_grace_perio
     pre_stop = container()["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
     assert int(pre_stop[1]) + served.drain_timeout < pod_spec()["terminationGracePeriodSeconds"]
-    # the API key comes from a Secret when one exists (the CLI reads SPECSERVE_API_KEY)
+    # the API key comes from a Secret (the CLI reads SPECSERVE_API_KEY), and fails closed: a pod
+    # whose Secret is missing does not start (an empty key is refused by the CLI, see
+    # tests/server/test_api_key_config.py)
     [api_key] = container()["env"]
     assert api_key["name"] == "SPECSERVE_API_KEY"
-    assert api_key["valueFrom"]["secretKeyRef"]["optional"] is True
+    secret_ref = api_key["valueFrom"]["secretKeyRef"]
+    assert secret_ref["optional"] is False
+    assert (secret_ref["name"], secret_ref["key"]) == ("specserve-api-key", "api-key")
 
 
 def test_service_and_service_monitor_select_the_pods():

@@ -13,7 +13,8 @@ import pytest
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.proposers.suffix import OutputCache, SuffixProposer
+from engine.proposers.suffix import SuffixProposer
+from engine.proposers.suffix_cache import OutputCache
 from engine.proposers.suffix_tree import SuffixTree
 from engine.request import Request
 from engine.spec_config import SpeculativeConfig
@@ -23,8 +24,9 @@ _request_ids = itertools.count()
 
 def make_request(prompt: Sequence[int], output: Sequence[int] = (),
                  request_id: str | None = None) -> Request:
+    # NOTE: one tenant for every request here; tests/engine/test_suffix_tenancy.py covers tenancy
     request = Request(request_id or f"r{next(_request_ids)}", list(prompt),
-                      SamplingParams(temperature=0.0), frozenset())
+                      SamplingParams(temperature=0.0), frozenset(), cache_salt="tenant")
     request.output_token_ids.extend(output)
     return request
 

@@ -14,13 +14,19 @@ from prometheus_server import find_free_port
 
 
 class LiveServer:
-    """`with LiveServer(["--speculative-config", ...]) as server: server.url` (…/v1 is server.api)."""
+    """`with LiveServer(["--speculative-config", ...]) as server: server.url` (…/v1 is server.api).
 
-    def __init__(self, args: list[str], start_timeout: float = 180.0) -> None:
+    `launcher` is the command before `serve` (default: `python -m server.cli`), e.g. a
+    `python -c` that patches the server before calling server.cli.main, to inject a fault.
+    """
+
+    def __init__(self, args: list[str], start_timeout: float = 180.0,
+                 launcher: list[str] | None = None) -> None:
         self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api = f"{self.url}/v1"
         self.args = args
+        self.launcher = launcher or [sys.executable, "-m", "server.cli"]
         self.start_timeout = start_timeout
         self.process: subprocess.Popen | None = None
 
@@ -28,7 +34,7 @@ class LiveServer:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="specserve-", suffix=".log", delete=False)
         env = dict(os.environ, SPECSERVE_NO_PROGRESS="1")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "serve", "--port", str(self.port),
+            [*self.launcher, "serve", "--port", str(self.port),
              "--num-threads", "1", *self.args], stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:

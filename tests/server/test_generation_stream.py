@@ -110,7 +110,7 @@ def test_every_choice_of_a_lagging_stream_ends_once_with_all_its_tokens(tokenize
     events = run(serving_for(engine, tokenizer), body, read_delay=0.005)
 
     assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
-    chunks = [e for e in events[:-1]]
+    chunks = events[:-1]
     finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks
                 if c["choices"][0]["finish_reason"] is not None]
     assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
