@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SEED_RANGE,
+    SamplingParams,
+    child_seed,
+)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -19,6 +26,8 @@ from engine.sampling_params import MAX_LOGPROBS, SamplingParams
     ({"top_k": -2}, "top_k"),
     ({"stop": ""}, "stop"),
     ({"stop": ["ok", ""]}, "stop"),
+    ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+    ({"stop": ["x" * (MAX_STOP_STRING_CHARS + 1)]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
@@ -76,3 +85,16 @@ def test_params_are_frozen() -> None:
     params = SamplingParams()
     with pytest.raises(AttributeError):
         params.max_tokens = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("seed, index, expected", [
+    (None, 3, None),
+    (7, 0, 7),
+    (7, 2, 9),
+    (SEED_RANGE - 1, 1, 0),  # wraps instead of overflowing what a generator and msgpack take
+    (SEED_RANGE - 2, 127, 125),
+])
+def test_child_seeds_stay_in_range(seed: int | None, index: int, expected: int | None) -> None:
+    assert child_seed(seed, index) == expected
+    if expected is not None:
+        SamplingParams(seed=expected)
