@@ -22,7 +22,7 @@ class EngineArgs:
     kv_cache_memory_gib: float = 1.0
     num_kv_blocks: int | None = None
     num_threads: int | None = None
-    # vLLM-style JSON text or dict (engine/spec_config.py); None = no speculation
+    # vLLM-style JSON text or dict (engine/spec_config.py); None or "none" = no speculation
     speculative_config: str | dict[str, Any] | None = None
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig | None]:
@@ -35,5 +35,5 @@ class EngineArgs:
                         num_blocks=self.num_kv_blocks),
             SchedulerConfig(max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens),
-            None if spec is None else SpeculativeConfig.from_json(spec),
+            None if spec is None or spec == "none" else SpeculativeConfig.from_json(spec),
         )

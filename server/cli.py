@@ -52,7 +52,8 @@ def _add_serve_parser(commands) -> None:
                        help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV}; "
                             f"neither set: no key is asked for; set but empty: refused)")
     serve.add_argument("--speculative-config", default=None,
-                       help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'')
+                       help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'; '
+                            '"none" turns speculation off')
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     serve.add_argument("--max-model-len", type=int, default=None)

@@ -39,3 +39,10 @@ def test_vllm_style_json_parses():
 def test_bad_configs_fail_clearly(value, message):
     with pytest.raises(ValueError, match=message):
         SpeculativeConfig.from_json(value)
+
+
+def test_none_turns_speculation_off():
+    from engine.engine_args import EngineArgs
+
+    assert EngineArgs(speculative_config="none").configs()[3] is None
+    assert EngineArgs(speculative_config=None).configs()[3] is None
