@@ -93,9 +93,9 @@ class Server:
 
 
 class SpecserveServer(Server):
-    def time_request(self, prompt: list[int], max_tokens: int) -> Timing:
+    def time_request(self, prompt: list[int], max_tokens: int, **extra) -> Timing:
         body = {"prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens,
-                "temperature": 0, "stream": True}
+                "temperature": 0, "stream": True, **extra}
         return _time_stream(f"{self.url}/v1/completions", body,
                             lambda chunk: bool(chunk.get("choices") and chunk["choices"][0]["text"]),
                             lambda chunk: None, max_tokens)

@@ -9,6 +9,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, KVCacheSpec, ModelConfig
+from engine.cpu_threads import usable_cpu_count
 from engine.input_batch import build_model_inputs
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model
@@ -32,9 +33,9 @@ class ModelRunnerOutput:
 
 class Worker:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig) -> None:
-        if model_config.num_threads is not None:
-            torch.set_num_threads(model_config.num_threads)
         self.device = model_config.torch_device
+        if model_config.num_threads is not None or self.device.type == "cpu":
+            torch.set_num_threads(model_config.num_threads or usable_cpu_count())
         self.dtype = model_config.torch_dtype
         if self.device.type == "cuda":
             # NOTE: cuDNN's SDPA builds a plan for every new KV length: measured 1.9 ms of CPU per call,

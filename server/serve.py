@@ -97,9 +97,11 @@ class EngineCallbacks:
 
 async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     """Run until stopped; returns the process exit code."""
-    # NOTE: the engine's torch threads share the cores with this process; passive waiting keeps
-    # them from spinning against the HTTP work (TOOLCHAIN.md measured a collapse otherwise)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # NOTE: the engine keeps OpenMP's default wait policy (a short spin, then sleep) and one
+    # thread per usable core (engine/cpu_threads.py). OMP_WAIT_POLICY=PASSIVE, set here before,
+    # made every decode step ~27% slower (each of a step's ~1,000 parallel ops woke sleeping
+    # threads), which was the whole gap between the server and the offline engine; it only pays
+    # when another busy process shares the cores (docs/perf.md), and the variable is still obeyed.
     callbacks = EngineCallbacks()
     client = EngineClient(engine_args, on_stats=callbacks.on_stats, on_dead=callbacks.on_dead)
     try:
