@@ -5,7 +5,6 @@ nothing but its headers."""
 from __future__ import annotations
 
 import hmac
-import json
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -42,9 +41,4 @@ def _is_protected(path: str) -> bool:
 async def _unauthorized(send: Send) -> None:
     error = ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                      code="invalid_api_key")
-    payload = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": 401,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(payload)).encode()),
-                            (b"www-authenticate", b"Bearer")]})
-    await send({"type": "http.response.body", "body": payload})
+    await error.send_asgi(send, [(b"www-authenticate", b"Bearer")])

@@ -3,8 +3,6 @@ it is parsed, so one client cannot make the server hold or parse hundreds of meg
 
 from __future__ import annotations
 
-import json
-
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -58,9 +56,4 @@ class BodySizeLimit:
     async def _too_large(self, send: Send) -> None:
         error = ApiError(413, f"the request body is larger than this server's limit of "
                               f"{self.max_bytes / 2**20:g} MiB", code="request_too_large")
-        payload = json.dumps(error.body()).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload})
+        await error.send_asgi(send, [(b"connection", b"close")])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -70,3 +71,12 @@ class ApiError(Exception):
     @property
     def headers(self) -> dict[str, str]:
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+    async def send_asgi(self, send: Any, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+        """Answer with this error straight from ASGI middleware, before any route runs."""
+        payload = json.dumps(self.body()).encode()
+        await send({"type": "http.response.start", "status": self.status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode()),
+                                *extra_headers]})
+        await send({"type": "http.response.body", "body": payload})

@@ -3,15 +3,12 @@ equals a one-shot decode, never shows a broken character, and stops just before 
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
-import torch
-import transformers
+from embedded_tokenizer import load_embedded_tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.models import loader
 
 PROMPT = "Write one sentence:"
 IM_END = "<|im_end|>"
@@ -19,11 +16,7 @@ IM_END = "<|im_end|>"
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    """The embedded model's tokenizer, read from its converted cache (built once if missing)."""
-    folder = loader.embedded_cache_dir(loader.embedded_gguf_path())
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        loader.load_checkpoint(None, torch.float32)  # converts the GGUF once (~25 s)
-    return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return load_embedded_tokenizer()
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:

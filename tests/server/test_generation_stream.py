@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from typing import Any
 
 import pytest
-import torch
-import transformers
+from embedded_tokenizer import load_embedded_tokenizer
 
 from engine.messages import EngineReady, TokenDelta
-from engine.models import loader
 from engine.request import TokenLogprobs
 from server.api_requests import ChatCompletionRequest, CompletionRequest
 from server.metrics import ServerMetrics
@@ -26,10 +23,7 @@ MULTIBYTE_TEXT = "naïve café — 日本語 🙂 ok, then STOP here and 🙂 mo
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    folder = loader.embedded_cache_dir(loader.embedded_gguf_path())
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        loader.load_checkpoint(None, torch.float32)  # converts the GGUF once (~25 s)
-    return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return load_embedded_tokenizer()
 
 
 class ScriptedEngine:
