@@ -11,7 +11,9 @@ KV cache layout, one tensor per layer (a token's slot = block_id * block_size + 
 
 Reading a context gathers whole blocks (one index per block_size tokens, several times faster on the
 CPU than token by token), and head-major storage leaves each (sequence, head) context contiguous, which
-SDPA reads about 4x faster than a token-major gather.
+SDPA reads about 4x faster than a token-major gather. A lone sequence whose blocks are consecutive (the
+usual case for a single stream: the pool hands out blocks in order) is read in place, as a view,
+without the gather's copy.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class AttentionMetadata:
     query_pad_index: torch.Tensor | None
     # [num_seqs, 1, max_query_len, kv_len] bool, True = may attend; None = see is_causal
     attn_mask: torch.Tensor | None
+    # a lone sequence whose block table is first_block, first_block + 1, ...: its first block, so
+    # attention reads its context in place instead of gathering it; None otherwise
+    first_block: int | None = None
     # with no mask: True = plain causal attention (a lone sequence prefilled from position 0, where
     # SDPA's built-in causal path is several times faster than an explicit mask), False = attend to all
     is_causal: bool = False
@@ -96,7 +101,13 @@ def build_attention_metadata(
         # row (NaN); their outputs are dropped by the un-padding.
         attn_mask |= (row >= query_lens_t) & (key_pos == 0)
         attn_mask = attn_mask[:, None]  # [B, 1, Q, L]
+    first_block = None
+    if num_seqs == 1:
+        table = block_tables[0][:max_num_blocks]
+        if table == list(range(table[0], table[0] + len(table))):
+            first_block = table[0]
     return AttentionMetadata(
+        first_block=first_block,
         num_seqs=num_seqs,
         max_query_len=max_query_len,
         kv_len=kv_len,
@@ -128,9 +139,15 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     num_tokens, num_heads, head_dim = query.shape
     batch, max_q = meta.num_seqs, meta.max_query_len
     num_kv_heads = kv_cache.shape[1]
-    blocks = meta.block_gather_index.view(-1)  # [B * max_num_blocks]
-    keys = kv_cache[0].index_select(1, blocks).view(num_kv_heads, batch, -1, head_dim)
-    values = kv_cache[1].index_select(1, blocks).view(num_kv_heads, batch, -1, head_dim)
+    if meta.first_block is not None:  # consecutive blocks: a view of the cache, no copy
+        num_blocks = meta.block_gather_index.shape[1]
+        blocks = slice(meta.first_block, meta.first_block + num_blocks)
+        keys = kv_cache[0][:, blocks].view(num_kv_heads, 1, -1, head_dim)
+        values = kv_cache[1][:, blocks].view(num_kv_heads, 1, -1, head_dim)
+    else:
+        blocks = meta.block_gather_index.view(-1)  # [B * max_num_blocks]
+        keys = kv_cache[0].index_select(1, blocks).view(num_kv_heads, batch, -1, head_dim)
+        values = kv_cache[1].index_select(1, blocks).view(num_kv_heads, batch, -1, head_dim)
     keys = keys[:, :, :meta.kv_len].transpose(0, 1)  # [B, kvH, L, D]
     values = values[:, :, :meta.kv_len].transpose(0, 1)  # [B, kvH, L, D]
     if meta.query_pad_index is None:
