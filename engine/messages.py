@@ -24,7 +24,7 @@ class AddRequest:
     prompt_token_ids: list[int]
     # SamplingParams fields (engine/sampling_params.py), validated again by the engine
     params: dict[str, Any]
-    # tenant isolation key (engine/request.py Request.cache_salt); None is the anonymous tenant
+    # tenant isolation key (engine/request.py Request.cache_salt); None belongs to no tenant
     cache_salt: str | None = None
 
 

@@ -143,8 +143,8 @@ class EngineClient:
                           ) -> asyncio.Queue[TokenDelta | Exception]:
         """Queue of this request's deltas; it ends with a delta carrying finish_reason, or an
         exception (RequestRejectedError, EngineDeadError). Raises RequestRejectedError when the
-        request cannot be encoded for the engine. `cache_salt` is the request's tenant (None: the
-        anonymous one): only requests of one tenant share state that outlives a request."""
+        request cannot be encoded for the engine. `cache_salt` is the request's tenant (None: no
+        tenant, shares nothing): only requests of one tenant share state that outlives a request."""
         if not self.is_alive:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._queues:
