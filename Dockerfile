@@ -28,10 +28,11 @@ ENV VIRTUAL_ENV=/opt/venv \
     SPECSERVE_CACHE_DIR=/home/specserve/.cache/specserve
 
 # tini runs as PID 1: it reaps the engine process if the server dies first, and passes SIGTERM on
-# (a bare Python PID 1 would ignore SIGTERM while the model loads)
+# (a bare Python PID 1 would ignore SIGTERM while the model loads). g++ builds the CPU kernels
+# (kernels/csrc) on the machine that runs them, at the first start: -march=native, so not here.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends tini \
+    && apt-get install -y --no-install-recommends tini g++ \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin specserve \
     && mkdir /models \

@@ -1,6 +1,9 @@
 """Faster CPU matmuls for decode-sized batches, with bit-identical rows whatever the batch size.
 
-Measured on a 2-core AVX2 EPYC, all 135M SmolLM2 weights in float32 (ms per forward's matmuls):
+First choice: specserve's own kernel (`kernels/skinny_gemm.py`), which streams the weights at close to
+the machine's read bandwidth for the 1 to 9 rows of a decode or verification step (docs/perf.md has
+the numbers). Where it cannot be built (no C++ compiler), oneDNN's packed layout, measured before it
+on a 2-core AVX2 EPYC, all 135M SmolLM2 weights in float32 (ms per forward's matmuls):
 
     rows      1    2    4    6    8   16   512
     F.linear  46   89   87   74   70   83  1316    (MKL, row-major weight)
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from kernels.skinny_gemm import pack_linear_weight, packed_linear, skinny_gemm_available
 
 # rows the oneDNN weight layout is tuned for; measured flat for 1..16 rows, still best at 512
 PACKING_BATCH_HINT = 16
@@ -41,6 +46,20 @@ class OneDNNLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+class SkinnyGemmLinear(nn.Module):
+    """A float32 Linear on specserve's CPU kernel, its weight packed once at load time."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed_weight", pack_linear_weight(linear.weight.detach()),
+                             persistent=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features]
+        return packed_linear(x, self.packed_weight, self.bias, self.out_features)
+
+
 def optimize_linears_for_cpu(model: nn.Module) -> str:
     """Give every Linear of a float32 CPU model the fastest layout available; returns its name.
 
@@ -49,11 +68,14 @@ def optimize_linears_for_cpu(model: nn.Module) -> str:
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not all(m.weight.dtype == torch.float32 for _, m in linears):
         return "torch"
-    if onednn_linear_available():
-        for name, module in linears:
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child, OneDNNLinear(module))
-        return "onednn-packed"
+    for backend, available, replacement in (
+            ("skinny-gemm", skinny_gemm_available, SkinnyGemmLinear),
+            ("onednn-packed", onednn_linear_available, OneDNNLinear)):
+        if available():
+            for name, module in linears:
+                parent_name, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent_name), child, replacement(module))
+            return backend
     for _, module in linears:
         # same [out, in] shape over [in, out] storage: MKL streams it about twice as fast at 1 row
         module.weight.data = module.weight.data.t().contiguous().t()

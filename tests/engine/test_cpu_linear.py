@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from engine.models.cpu_linear import OneDNNLinear, onednn_linear_available, optimize_linears_for_cpu
+from kernels.skinny_gemm import skinny_gemm_available
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
 
@@ -41,5 +42,17 @@ def test_float32_gets_a_faster_layout_with_the_same_outputs():
     x = torch.randn(5, 64)
     want = model(x)
     backend = optimize_linears_for_cpu(model)
-    assert backend == ("onednn-packed" if onednn_linear_available() else "transposed")
+    assert backend == ("skinny-gemm" if skinny_gemm_available()
+                       else "onednn-packed" if onednn_linear_available() else "transposed")
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_cpu_kernel_onednn_takes_over(monkeypatch):
+    """SPECSERVE_CPU_KERNELS=0 (or no compiler) keeps the engine on torch's own ops."""
+    monkeypatch.setattr("engine.models.cpu_linear.skinny_gemm_available", lambda: False)
+    model = make_model(torch.float32)
+    x = torch.randn(5, 64)
+    want = model(x)
+    assert optimize_linears_for_cpu(model) == (
+        "onednn-packed" if onednn_linear_available() else "transposed")
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
