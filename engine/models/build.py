@@ -22,7 +22,11 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype,
     model.load_weights(checkpoint.weights)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    backend = optimize_linears_for_cpu(model) if device.type == "cpu" else "torch"
+    backend = "torch"
+    if device.type == "cpu":
+        backend = optimize_linears_for_cpu(model)
+        if model.use_fused_cpu_ops():
+            backend += " + fused-ops"
     return model.eval(), backend
 
 

@@ -14,15 +14,20 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.models.arch import LlamaArch
+from kernels import decoder_ops
 
 
 class RMSNorm(nn.Module):
+    fused_cpu_ops = False
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_cpu_ops and x.dim() == 2:
+            return decoder_ops.rms_norm(x, self.weight, self.eps)
         # NOTE: normalise in float32 and cast back before the weight, exactly as the Hugging Face reference
         # does (float64 test models included), so greedy tokens match it.
         xf = x.float()
@@ -53,6 +58,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
+    # float32 on the CPU: rotary in place through specserve's fused op (bit-identical to apply_rotary)
+    fused_cpu_ops = False
+
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -64,26 +72,39 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, kvH, D]
+        qkv = self.qkv_proj(x)
+        if self.fused_cpu_ops:
+            decoder_ops.rotary_(qkv, cos[:, 0], sin[:, 0], self.num_heads + self.num_kv_heads,
+                                self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if not self.fused_cpu_ops:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(kv_cache, k, v, meta)
         return self.o_proj(paged_attention(q, kv_cache, meta, self.scale))  # [T, hidden]
 
 
 class MLP(nn.Module):
+    fused_cpu_ops = False
+
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_cpu_ops:
+            return self.down_proj(decoder_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
+    # float32 on the CPU: each norm one fused op, the second with the residual add before it
+    fused_cpu_ops = False
+
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -93,6 +114,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        if self.fused_cpu_ops:
+            attended = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
+            norm = self.post_attention_layernorm
+            x, normed = decoder_ops.add_rms_norm(x, attended, norm.weight, norm.eps)
+            return x + self.mlp(normed)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -117,6 +143,16 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv_cache)
         return self.norm(x)
+
+    def use_fused_cpu_ops(self) -> bool:
+        """Switch a float32 CPU model to specserve's fused per-layer ops when they can be built."""
+        on_cpu_f32 = self.embed_tokens.weight.device.type == "cpu" and (
+            self.embed_tokens.weight.dtype == torch.float32)
+        enabled = on_cpu_f32 and decoder_ops.decoder_ops_available()
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, DecoderLayer, Attention, MLP)):
+                module.fused_cpu_ops = enabled
+        return enabled
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] (only the rows that sample) -> logits [num_rows, vocab]."""
