@@ -1,67 +1,92 @@
-"""Recent acceptance α per request, and per engine (the prior a new request starts from).
+"""How likely each draft position is to be accepted, per request and per engine (the prior a new
+request starts from).
 
-A verification of k drafts that kept a prefix of a is read as a accepted tokens and, when a < k, one
-rejected token: under the model that each draft position is accepted with probability α (given the
-ones before it), accepted / (accepted + rejected) is the maximum-likelihood α. Each verification
-counts once (its two counts are scaled to sum to 1), and counts decay, so the estimate follows the
-request as its text changes (prose, then code, then a quoted passage) at the same pace either way.
+Acceptance is not one α per request. A suffix or n-gram draft that copies a passage is kept whole or
+lost at its first token; a model's draft thins out with depth. So the tracker keeps, per draft
+position j, the chance a_j that draft j is accepted given drafts 1 .. j-1 were: a verification of k
+drafts that kept a of them counts positions 1 .. a as accepted and, when a < k, position a + 1 as
+rejected (later positions were never tested). Draft j is then emitted with probability
+a_1 · a_2 · … · a_j, which is what the policy weighs against the cost of its row. Counts decay, so
+the estimates follow the request as its text changes (prose, then code, then a quoted passage).
+
+Each a_j is shrunk toward a_(j-1), the request's own estimate one position up (a_1 toward the
+engine's): a position never tested yet is assumed as good as the one before it, so a request whose
+one-token probes all pass is tried deeper, and the geometric model (every a_j equal) is where the
+estimates start.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numpy as np
 
 # per verification: a request's counts weigh ~1/(1-0.8) = 5 recent verifications
 REQUEST_DECAY = 0.8
 # per verification of any request: the prior follows the workload over ~100 verifications
 ENGINE_DECAY = 0.99
-# pseudo-tokens of the prior in a request's estimate: a new request trusts the engine-wide α
+# pseudo-verifications of the prior in a request's estimate: a new request trusts the engine's
 PRIOR_WEIGHT = 1.0
 # before anything was verified: a neutral guess, corrected by the first verifications
-INITIAL_ALPHA = 0.5
-# α = 1 would make every extra draft look free; the geometric model never quite allows it
-MAX_ALPHA = 0.98
+INITIAL_ACCEPTANCE = 0.5
+# a_j = 1 would make every deeper draft look free
+MAX_ACCEPTANCE = 0.98
+# positions tracked; deeper drafts share the last one's estimate
+MAX_POSITIONS = 32
 
 
-@dataclass
-class _DecayedCounts:
-    accepted: float = 0.0
-    rejected: float = 0.0
+class _PositionCounts:
+    """Decayed accepted / rejected counts per draft position."""
 
-    def add(self, accepted: float, rejected: float, decay: float) -> None:
-        self.accepted = self.accepted * decay + accepted
-        self.rejected = self.rejected * decay + rejected
+    def __init__(self) -> None:
+        self.accepted = np.zeros(MAX_POSITIONS)
+        self.rejected = np.zeros(MAX_POSITIONS)
+
+    def add(self, num_draft_tokens: int, num_accepted: int, decay: float) -> None:
+        self.accepted *= decay
+        self.rejected *= decay
+        self.accepted[:min(num_accepted, MAX_POSITIONS)] += 1.0
+        if num_accepted < num_draft_tokens:
+            self.rejected[min(num_accepted, MAX_POSITIONS - 1)] += 1.0
+
+    def estimate(self, first_prior: float, prior_weight: float) -> np.ndarray:
+        """[MAX_POSITIONS] a_j = (accepted_j + w a_(j-1)) / (tested_j + w), with a_0 = first_prior.
+
+        The recurrence a_j = c_j + d_j a_(j-1) unrolled: a_j = D_j (first_prior + sum_(i <= j) c_i / D_i)
+        with D_j = d_1 ... d_j (no underflow: d_j >= w / (w + 1 / (1 - decay)) over 32 positions).
+        """
+        tested = self.accepted + self.rejected + prior_weight
+        c, d = self.accepted / tested, prior_weight / tested
+        products = np.cumprod(d)
+        rate = products * (first_prior + np.cumsum(c / products))
+        return np.minimum(rate, MAX_ACCEPTANCE)
 
 
 class AcceptanceTracker:
     def __init__(self) -> None:
-        self._engine = _DecayedCounts()
-        self._requests: dict[str, _DecayedCounts] = {}
+        self._engine = _PositionCounts()
+        self._requests: dict[str, _PositionCounts] = {}
 
     @property
-    def engine_alpha(self) -> float:
-        counts = self._engine
-        total = counts.accepted + counts.rejected
-        alpha = (counts.accepted + INITIAL_ALPHA) / (total + 1.0)
-        return min(alpha, MAX_ALPHA)
+    def engine_acceptance(self) -> np.ndarray:
+        """[MAX_POSITIONS] conditional acceptance per position over all recent verifications."""
+        return self._engine.estimate(INITIAL_ACCEPTANCE, 1.0)
 
-    def alpha(self, request_id: str) -> float:
-        """The request's estimate: its own recent verifications over the engine-wide prior."""
-        prior = self.engine_alpha
+    def conditional_acceptance(self, request_id: str) -> np.ndarray:
+        """[MAX_POSITIONS] a_j for the request: its own recent verifications over the engine's."""
+        prior = self.engine_acceptance
         counts = self._requests.get(request_id)
-        if counts is None:
-            return prior
-        total = counts.accepted + counts.rejected
-        alpha = (counts.accepted + PRIOR_WEIGHT * prior) / (total + PRIOR_WEIGHT)
-        return min(alpha, MAX_ALPHA)
+        return prior if counts is None else counts.estimate(float(prior[0]), PRIOR_WEIGHT)
+
+    def emission_chances(self, request_id: str, depth: int) -> np.ndarray:
+        """[depth]: the chance that draft j (1-based) is accepted, a_1 · … · a_j; non-increasing."""
+        conditional = self.conditional_acceptance(request_id)
+        per_position = conditional[np.minimum(np.arange(depth), MAX_POSITIONS - 1)]
+        return np.cumprod(per_position)
 
     def observe(self, request_id: str, num_draft_tokens: int, num_accepted: int) -> None:
         """One verification of `num_draft_tokens` drafts that kept `num_accepted` of them."""
-        num_rejected = int(num_accepted < num_draft_tokens)
-        accepted = num_accepted / (num_accepted + num_rejected)
-        self._requests.setdefault(request_id, _DecayedCounts()).add(accepted, 1 - accepted,
-                                                                    REQUEST_DECAY)
-        self._engine.add(accepted, 1 - accepted, ENGINE_DECAY)
+        self._requests.setdefault(request_id, _PositionCounts()).add(
+            num_draft_tokens, num_accepted, REQUEST_DECAY)
+        self._engine.add(num_draft_tokens, num_accepted, ENGINE_DECAY)
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

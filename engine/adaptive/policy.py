@@ -1,8 +1,9 @@
 """Choose k per request, each step, to maximise expected tokens emitted per second.
 
-For one request with acceptance α, k drafts emit 1 + α + α² + … + α^k = (1 − α^(k+1)) / (1 − α)
-tokens in expectation per target pass (the accepted prefix plus the bonus or recovered token). The
-draft at position j adds α^j: gains shrink with depth. A batch pays for them together: its step
+A verification of k drafts emits 1 + c_1 + … + c_k tokens in expectation (the accepted prefix plus
+the bonus or recovered token), where c_j, the chance draft j is accepted, is the product of the
+request's per-position acceptance (engine/adaptive/acceptance.py): gains shrink with depth, slowly
+for a request copying a passage, fast for one whose drafts are guesses. A batch pays for them together: its step
 costs verify(tokens) + draft(depth), with tokens = the known tokens (one per decoding request, plus
 prefill chunks) + Σk, and depth = max k. So, for each depth D, the draft positions are taken best gain
 first while the batch's tokens per second still rise; the best D wins, and k = 0 for everyone when
@@ -32,17 +33,23 @@ MIN_RELATIVE_GAIN = 0.03
 PROBE_INTERVAL = 16
 
 
-def best_draft_lengths(alphas: np.ndarray, caps: np.ndarray, num_known_tokens: int,
+def geometric_chances(alphas: np.ndarray, depth: int) -> np.ndarray:
+    """[batch, depth] α^j: the emission chances of requests whose every position has acceptance α."""
+    return np.asarray(alphas, dtype=float)[:, None] ** np.arange(1, depth + 1)[None, :]
+
+
+def best_draft_lengths(chances: np.ndarray, caps: np.ndarray, num_known_tokens: int,
                        verify_seconds: Callable[[np.ndarray], np.ndarray],
                        draft_seconds: Callable[[int], float],
                        num_expected_tokens: float | None = None) -> np.ndarray:
     """k per request ([batch] int) maximising expected emitted tokens / predicted step seconds.
 
-    alphas: [batch] acceptance estimates in [0, 1); caps: [batch] the most drafts each may take;
+    chances: [batch, >= max cap] the chance each draft position is accepted, non-increasing along a
+    row; caps: [batch] the most drafts each may take;
     num_known_tokens: tokens the step computes whatever k is (decode rows + prefill chunks);
     num_expected_tokens: tokens it emits with k = 0 (default: one per request).
     """
-    batch = len(alphas)
+    batch = len(caps)
     base_emitted = float(batch if num_expected_tokens is None else num_expected_tokens)
     plain_rate = base_emitted / (float(verify_seconds(np.array([num_known_tokens]))[0])
                                  + draft_seconds(0))
@@ -51,8 +58,8 @@ def best_draft_lengths(alphas: np.ndarray, caps: np.ndarray, num_known_tokens: i
         return np.zeros(batch, dtype=np.int64)
     positions = np.arange(1, max_depth + 1)
     # gains[i, j-1]: expected extra tokens from request i's draft at position j
-    gains = np.where(positions[None, :] <= caps[:, None],
-                     alphas[:, None] ** positions[None, :], 0.0)  # [batch, max_depth]
+    gains = np.where(positions[None, :] <= caps[:, None], chances[:, :max_depth],
+                     0.0)  # [batch, max_depth]
     best_rate, best_depth, best_chosen = plain_rate * (1 + MIN_RELATIVE_GAIN), 0, None
     for depth in range(1, max_depth + 1):
         flat = gains[:, :depth].ravel()
@@ -93,15 +100,17 @@ class AdaptiveSpeculation:
         is_fixed = [r.params.seed is not None and not r.params.is_greedy for r in requests]
         adaptive = [i for i, keep in enumerate(is_fixed) if not keep]
         fixed = [i for i, keep in enumerate(is_fixed) if keep]
-        fixed_alphas = [self.acceptance.alpha(requests[i].request_id) for i in fixed]
         num_known = len(requests) + num_prefill_tokens + sum(caps[i] for i in fixed)
-        expected = len(adaptive) + sum(_expected_tokens(a, caps[i])
-                                       for a, i in zip(fixed_alphas, fixed))
+        expected = len(adaptive) + sum(
+            1.0 + float(self.acceptance.emission_chances(requests[i].request_id, caps[i]).sum())
+            for i in fixed)
         min_depth = max((caps[i] for i in fixed), default=0)
         chosen = list(caps)
         if adaptive and self.cost.is_ready:
+            depth = max(caps[i] for i in adaptive)
             lengths = best_draft_lengths(
-                np.array([self.acceptance.alpha(requests[i].request_id) for i in adaptive]),
+                np.array([self.acceptance.emission_chances(requests[i].request_id, depth)
+                          for i in adaptive]).reshape(len(adaptive), depth),
                 np.array([caps[i] for i in adaptive]), num_known, self.cost.step_seconds,
                 lambda depth: self.cost.draft_seconds(max(depth, min_depth)), expected)
             for i, k in zip(adaptive, lengths.tolist()):
@@ -141,7 +150,3 @@ class AdaptiveSpeculation:
         self.acceptance.free(request_id)
         self._steps_without_drafts.pop(request_id, None)
 
-
-def _expected_tokens(alpha: float, k: int) -> float:
-    """(1 − α^(k+1)) / (1 − α): tokens one verification of k drafts emits in expectation."""
-    return sum(alpha ** j for j in range(k + 1))

@@ -13,6 +13,7 @@ from engine.adaptive import (
     AdaptiveSpeculation,
     StepCostModel,
     best_draft_lengths,
+    geometric_chances,
 )
 from engine.adaptive.policy import MIN_RELATIVE_GAIN, PROBE_INTERVAL
 from engine.adaptive.step_cost import non_decreasing_fit
@@ -52,7 +53,7 @@ def test_choice_is_the_brute_force_optimum(shape, drafting):
         alphas = rng.choice([0.0, 0.1, 0.4, 0.7, 0.9, 0.97], size=batch)
         caps = rng.integers(0, 5, size=batch)
         num_known = batch + int(rng.choice([0, 0, 30]))  # sometimes a prefill chunk rides along
-        ks = best_draft_lengths(alphas, caps, num_known, verify, draft)
+        ks = best_draft_lengths(geometric_chances(alphas, 4), caps, num_known, verify, draft)
         assert (ks <= caps).all() and (ks >= 0).all()
         got = rate(ks.tolist(), alphas, num_known, verify, draft)
         assert got == pytest.approx(brute_force(alphas, caps, num_known, verify, draft), rel=1e-9)
@@ -63,7 +64,8 @@ def test_one_request_follows_the_expected_length_formula():
     verify = COST_SHAPES["cpu_linear"]
     previous = 0
     for alpha in np.linspace(0.0, 0.97, 30):
-        k = int(best_draft_lengths(np.array([alpha]), np.array([8]), 1, verify, lambda d: 0.0)[0])
+        k = int(best_draft_lengths(geometric_chances(np.array([alpha]), 8), np.array([8]), 1,
+                                   verify, lambda d: 0.0)[0])
         expected = [(1 - alpha ** (j + 1)) / (1 - alpha) / verify(1 + j) for j in range(9)]
         best = int(np.argmax(expected))
         assert k == (best if expected[best] > expected[0] * (1 + MIN_RELATIVE_GAIN) else 0)
@@ -77,27 +79,27 @@ def test_speculation_shrinks_as_the_batch_grows():
     verify = COST_SHAPES["cpu_linear"]
     ks_by_batch = {}
     for batch in (1, 4, 16, 64):
-        ks = best_draft_lengths(np.full(batch, 0.6), np.full(batch, 5), batch, verify,
-                                lambda d: 0.0)
+        ks = best_draft_lengths(geometric_chances(np.full(batch, 0.6), 5), np.full(batch, 5),
+                                batch, verify, lambda d: 0.0)
         ks_by_batch[batch] = int(ks.max())
     assert ks_by_batch[1] > 0 and ks_by_batch[64] == 0
     assert list(ks_by_batch.values()) == sorted(ks_by_batch.values(), reverse=True)
 
 
 def test_compute_bound_pass_never_speculates_and_a_flat_one_always_does():
-    alphas, caps = np.array([0.2, 0.6, 0.9]), np.array([4, 4, 4])
-    assert best_draft_lengths(alphas, caps, 3, COST_SHAPES["compute_bound"],
+    chances, caps = geometric_chances(np.array([0.2, 0.6, 0.9]), 4), np.array([4, 4, 4])
+    assert best_draft_lengths(chances, caps, 3, COST_SHAPES["compute_bound"],
                               lambda d: 0.0).tolist() == [0, 0, 0]
-    assert best_draft_lengths(alphas, caps, 3, COST_SHAPES["gpu_flat_then_bound"],
+    assert best_draft_lengths(chances, caps, 3, COST_SHAPES["gpu_flat_then_bound"],
                               lambda d: 0.0).tolist() == [4, 4, 4]
 
 
 def test_expensive_drafting_turns_speculation_off():
-    alphas, caps = np.array([0.7]), np.array([4])
+    chances, caps = geometric_chances(np.array([0.7]), 4), np.array([4])
     verify = COST_SHAPES["gpu_flat_then_bound"]
-    assert best_draft_lengths(alphas, caps, 1, verify, lambda d: 0.001 * d)[0] > 0
+    assert best_draft_lengths(chances, caps, 1, verify, lambda d: 0.001 * d)[0] > 0
     # each draft position costs as much as a target pass: drafting can only lose
-    assert best_draft_lengths(alphas, caps, 1, verify, lambda d: 0.010 * d)[0] == 0
+    assert best_draft_lengths(chances, caps, 1, verify, lambda d: 0.010 * d)[0] == 0
 
 
 def test_acceptance_follows_the_request_and_starts_from_the_engine_prior():
@@ -105,14 +107,33 @@ def test_acceptance_follows_the_request_and_starts_from_the_engine_prior():
     for _ in range(30):
         tracker.observe("good", 4, 4)
         tracker.observe("bad", 4, 0)
-    assert tracker.alpha("good") > 0.9 and tracker.alpha("bad") < 0.2
-    assert tracker.alpha("new") == pytest.approx(tracker.engine_alpha)
-    assert tracker.engine_alpha == pytest.approx(0.5, abs=0.05)  # half the verifications went well
+    assert tracker.emission_chances("good", 4)[-1] > 0.8
+    assert tracker.emission_chances("bad", 1)[0] < 0.2
+    assert np.allclose(tracker.conditional_acceptance("new"), tracker.engine_acceptance)
+    # half the first drafts were kept, and every kept first draft led to a kept fourth
+    assert tracker.engine_acceptance[0] == pytest.approx(0.5, abs=0.05)
+    assert tracker.engine_acceptance[3] > 0.9
     for _ in range(10):  # the good request's text stops being predictable
         tracker.observe("good", 4, 0)
-    assert tracker.alpha("good") < 0.25
+    assert tracker.emission_chances("good", 1)[0] < 0.25
     tracker.free("good")
-    assert tracker.alpha("good") == pytest.approx(tracker.engine_alpha)
+    assert np.allclose(tracker.conditional_acceptance("good"), tracker.engine_acceptance)
+
+
+def test_a_request_copying_passages_is_told_apart_from_one_guessing():
+    """Same mean acceptance per draft, different shapes: all-or-nothing drafts (a suffix match that
+    holds or breaks at once) are worth going deep for; drafts that thin out with depth are not."""
+    tracker = AcceptanceTracker()
+    for step in range(40):
+        tracker.observe("copying", 8, 8 if step % 2 else 0)
+        tracker.observe("guessing", 8, 1)
+    copying, guessing = tracker.emission_chances("copying", 8), tracker.emission_chances("guessing", 8)
+    assert (np.diff(copying) <= 0).all() and (np.diff(guessing) <= 0).all()
+    assert copying[-1] > 0.4 and guessing[1] < 0.2
+    verify = COST_SHAPES["cpu_linear"]
+    ks = best_draft_lengths(np.stack([copying, guessing]), np.array([8, 8]), 2, verify,
+                            lambda d: 0.0)
+    assert ks[0] == 8 and ks[1] <= 1
 
 
 def test_cost_table_interpolates_keeps_order_and_is_pessimistic_beyond():
