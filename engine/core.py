@@ -24,6 +24,7 @@ from engine.scheduler import (
     SchedulerOutput,
 )
 from engine.spec_config import SpeculativeConfig
+from engine.step_layout import DraftTokens, StepLayout
 from engine.worker import Worker
 
 
@@ -50,7 +51,7 @@ class EngineCore:
                  scheduler_config: SchedulerConfig,
                  speculative_config: SpeculativeConfig | None = None) -> None:
         self.worker = Worker(model_config, cache_config)
-        self.scheduler = Scheduler(scheduler_config, self.worker.kv_spec)
+        self.scheduler = Scheduler(scheduler_config, self.worker.kv_spec, self.worker.device)
         self.sampler = RejectionSampler()
         self.speculative_config = speculative_config
         self.proposer: Proposer | None = (
@@ -98,33 +99,31 @@ class EngineCore:
         num_prompt_tokens = _num_prompt_tokens(scheduled)
         pass_start = time.perf_counter()
         out = self.worker.execute(scheduled, self.scheduler.block_manager)
-        sampled = self.sampler(out.logits, scheduled.sampling)
+        sampled = self.sampler(out.logits, scheduled.layout)
         target_pass_seconds = time.perf_counter() - pass_start
         if self.proposer is not None and self.proposer.needs_committed_hidden:
-            self._record_target_hidden(scheduled.scheduled, sampled, out.token_hidden)
+            self._record_target_hidden(scheduled, sampled, out.token_hidden)
         updates = self.scheduler.commit(scheduled, sampled)
         verified = time.perf_counter()
-        choices = self._propose_drafts(scheduled.sampling, sampled, out.hidden)
+        choices = self._propose_drafts(scheduled.layout, sampled, out.hidden)
         self._account(scheduled, sampled, choices, start, verified, updates, target_pass_seconds)
         self.last_step_stats = self._step_stats(scheduled.sampling, sampled, choices, updates,
                                                 num_prompt_tokens, start, verified)
         return updates
 
-    def _record_target_hidden(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
+    def _record_target_hidden(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
                               token_hidden: torch.Tensor) -> None:
         """Before commit: each request's rows of committed tokens (a prefill chunk whole; of a
         verification, the known token and the accepted drafts), from the position they start at."""
         kept = iter(sampled)
-        row = 0
-        for item in items:
+        for item, row in zip(scheduled.scheduled, scheduled.layout.token_starts):
             num_valid = item.num_known_tokens
             if item.is_sampling:
                 num_valid += len(next(kept).token_ids) - 1
             self.proposer.record_target_hidden(item.request, item.request.num_computed_tokens,
                                                token_hidden[row:row + num_valid])
-            row += item.num_new_tokens
 
-    def _propose_drafts(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
+    def _propose_drafts(self, layout: StepLayout, sampled: list[SampledTokens],
                         hidden: torch.Tensor) -> list[DraftChoice]:
         """Drafts for the NEXT step, from the tokens just committed (so the scheduler can budget them);
         returns the k chosen for each request drafted for.
@@ -135,11 +134,8 @@ class EngineCore:
         """
         if self.proposer is None:
             return []
-        row_of: dict[str, int] = {}
-        start = 0
-        for item, kept in zip(items, sampled):
-            row_of[item.request.request_id] = start + len(kept.token_ids) - 1
-            start += item.num_draft_tokens + 1
+        row_of = {item.request.request_id: start + len(kept.token_ids) - 1
+                  for item, start, kept in zip(layout.sampling, layout.logits_starts, sampled)}
         requests = [r for r in self.scheduler.decoding if r.request_id in row_of]
         if not requests:
             return []
@@ -150,9 +146,9 @@ class EngineCore:
                 requests, caps, self.scheduler.num_prefill_tokens_next_step(len(requests)))
         target_hidden = hidden[torch.tensor([row_of[r.request_id] for r in requests],
                                             device=hidden.device)]
-        for request, proposal in zip(requests, self.proposer.propose(requests, caps,
-                                                                     target_hidden)):
-            request.draft_token_ids, request.draft_probs = proposal.token_ids, proposal.probs
+        proposals = self.proposer.propose(requests, caps, target_hidden)
+        self.scheduler.update_draft_token_ids(
+            DraftTokens({r.request_id: p for r, p in zip(requests, proposals)}))
         return [DraftChoice(r, cap) for r, cap in zip(requests, caps)]
 
     def _account(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],

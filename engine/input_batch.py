@@ -19,7 +19,7 @@ class ModelInputs:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     # [num_sampling_rows] int64: rows of the flattened batch whose logits are needed: per sampling
-    # request, its last known token's row then one row per draft token (1 + num_draft_tokens rows)
+    # request, its last known token's row then one row per draft token (the step layout's)
     logits_indices: torch.Tensor
 
 
@@ -27,17 +27,14 @@ def build_model_inputs(output: SchedulerOutput, block_manager: BlockManager,
                        sliding_window: int | None, device: torch.device) -> ModelInputs:
     token_ids: list[int] = []
     positions: list[int] = []
-    logits_indices: list[int] = []
     query_lens, seq_lens, block_tables = [], [], []
     for item in output.scheduled:
         request = item.request
         start = request.num_computed_tokens
         end = start + item.num_new_tokens
         token_ids += request.token_ids_between(start, end - item.num_draft_tokens)
-        token_ids += request.draft_token_ids[:item.num_draft_tokens]
+        token_ids += item.draft_token_ids
         positions += range(start, end)
-        if item.is_sampling:
-            logits_indices += range(len(token_ids) - 1 - item.num_draft_tokens, len(token_ids))
         query_lens.append(item.num_new_tokens)
         seq_lens.append(end)
         block_tables.append(block_manager.block_table(request.request_id))
@@ -47,5 +44,5 @@ def build_model_inputs(output: SchedulerOutput, block_manager: BlockManager,
         input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         attn_metadata=meta,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        logits_indices=output.layout.logits_indices.to(device),
     )

@@ -57,10 +57,6 @@ class Request:
     num_preemptions: int = 0
     # a private random stream for seeded requests, so batch neighbours cannot change their tokens
     generator: torch.Generator | None = None
-    # drafts proposed at the end of the last step, verified in the next one
-    draft_token_ids: list[int] = field(default_factory=list)
-    # [len(draft_token_ids), vocab] draft distribution q, None for deterministic drafts
-    draft_probs: torch.Tensor | None = None
     spec_stats: SpecStats = field(default_factory=SpecStats)
     # tenant isolation key: state that outlives the request and that another request could observe
     # (suffix decoding's output cache) is shared only between requests with the same salt; None

@@ -11,10 +11,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import islice
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import KVCacheSpec, SchedulerConfig
 from engine.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from engine.spec_stats import SpecStats
+from engine.step_layout import DraftProposal, DraftTokens, StepLayout
 
 
 @dataclass
@@ -22,10 +25,16 @@ class ScheduledRequest:
     request: Request
     # tokens whose K/V this step computes: a prefill chunk, or 1 + num_draft_tokens for a decode step
     num_new_tokens: int
-    # the request's draft tokens verified in this step (the tail of num_new_tokens); 0 = plain decode
-    num_draft_tokens: int = 0
     # NOTE: fixed when scheduled; the request itself moves on at commit
     is_sampling: bool = False
+    # the request's draft tokens verified in this step (the tail of num_new_tokens); [] = plain decode
+    draft_token_ids: list[int] = field(default_factory=list)
+    # [num_draft_tokens, vocab] their draft distribution q, None for one-hot drafts
+    draft_probs: torch.Tensor | None = None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
 
     @property
     def num_known_tokens(self) -> int:
@@ -39,6 +48,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     # sum of num_new_tokens (<= max_num_batched_tokens)
     num_batched_tokens: int
+    # rows, drafts and sampling tensors of this step, built once from `scheduled`
+    layout: StepLayout
     # requests sent back to waiting this step; their K/V was freed and will be recomputed
     preempted_ids: list[str] = field(default_factory=list)
 
@@ -49,7 +60,7 @@ class SchedulerOutput:
     @property
     def sampling(self) -> list[ScheduledRequest]:
         """The scheduled requests whose logits pick new tokens this step, in batch order."""
-        return [s for s in self.scheduled if s.is_sampling]
+        return self.layout.sampling
 
 
 @dataclass
@@ -75,13 +86,18 @@ class RequestUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_spec: KVCacheSpec) -> None:
+    def __init__(self, config: SchedulerConfig, kv_spec: KVCacheSpec,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.config = config
         self.max_model_len = kv_spec.max_model_len
+        # where the step layout's tensors live (the target's device)
+        self.device = device
         self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # drafts proposed for running requests, verified (and dropped) when the request next samples
+        self.drafts: dict[str, DraftProposal] = {}
         # preemptions since start (a test hook and, later, a metric)
         self.num_preemptions = 0
 
@@ -116,6 +132,16 @@ class Scheduler:
         return RequestUpdate(request_id, [], None, FinishReason.ABORT,
                              spec_stats=request.spec_stats)
 
+    def update_draft_token_ids(self, drafts: DraftTokens) -> None:
+        """Take the drafts proposed for the next step; an empty proposal clears the request's draft.
+        Requests that are no longer running are skipped (their drafts have nothing to verify)."""
+        for request_id, proposal in drafts.proposals.items():
+            request = self.requests.get(request_id)
+            if proposal.token_ids and request is not None and request.status == RequestStatus.RUNNING:
+                self.drafts[request_id] = proposal
+            else:
+                self.drafts.pop(request_id, None)
+
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -130,7 +156,7 @@ class Scheduler:
             if item.num_draft_tokens and not self.block_manager.can_allocate(request.request_id,
                                                                                total):
                 # NOTE: speculation never costs a preemption: drop this step's drafts first
-                request.draft_token_ids, request.draft_probs = [], None
+                self.drafts.pop(request.request_id, None)
                 item = self._plan(request, budget)
                 total = request.num_computed_tokens + item.num_new_tokens
             while not self.block_manager.can_allocate(request.request_id, total):
@@ -160,21 +186,27 @@ class Scheduler:
             scheduled.append(item)
             budget -= item.num_new_tokens
         num_batched = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(scheduled, num_batched, preempted)
+        return SchedulerOutput(scheduled, num_batched, StepLayout.build(scheduled, self.device),
+                               preempted)
 
-    @staticmethod
-    def _plan(request: Request, budget: int) -> ScheduledRequest:
+    def _plan(self, request: Request, budget: int) -> ScheduledRequest:
         """The next chunk of known tokens that fits the budget, then as many drafts as still fit."""
         num_known = min(request.num_tokens - request.num_computed_tokens, budget)
         is_sampling = request.num_computed_tokens + num_known == request.num_tokens
-        num_draft = min(len(request.draft_token_ids), budget - num_known) if is_sampling else 0
-        return ScheduledRequest(request, num_known + num_draft, num_draft, is_sampling)
+        draft = self.drafts.get(request.request_id)
+        if not is_sampling or draft is None:
+            return ScheduledRequest(request, num_known, is_sampling)
+        num_draft = min(len(draft.token_ids), budget - num_known)
+        return ScheduledRequest(request, num_known + num_draft, is_sampling,
+                                draft.token_ids[:num_draft],
+                                None if draft.probs is None or not num_draft
+                                else draft.probs[:num_draft])
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the K/V now, rebuild it from prompt + output later."""
         self.block_manager.free(request.request_id)
         request.num_computed_tokens = 0
-        request.draft_token_ids, request.draft_probs = [], None
+        self.drafts.pop(request.request_id, None)
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -198,7 +230,8 @@ class Scheduler:
             kept = next(samples)
             num_accepted = len(kept.token_ids) - 1
             request.num_computed_tokens += num_accepted
-            request.draft_token_ids, request.draft_probs = [], None
+            # NOTE: the step verified the draft (or what fit of it); it is spent either way
+            self.drafts.pop(request.request_id, None)
             update = RequestUpdate(request.request_id, [], [] if kept.logprobs else None)
             for position, token_id in enumerate(kept.token_ids):
                 request.output_token_ids.append(token_id)
@@ -261,4 +294,5 @@ class Scheduler:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         self.block_manager.free(request.request_id)
+        self.drafts.pop(request.request_id, None)
         del self.requests[request.request_id]

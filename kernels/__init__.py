@@ -29,17 +29,18 @@ def rejection_sample(
     draft_token_ids: Tensor,  # [num_draft_tokens] int64
     cu_num_draft_tokens: Tensor,  # [batch] int64
     draft_probs: Tensor | None,  # [num_draft_tokens, vocab_size] float32, or None: one-hot drafts
-    target_probs: Tensor,  # [num_draft_tokens + batch, vocab_size] float32
-    bonus_token_ids: Tensor,  # [batch] int64
+    target_probs: Tensor | None,  # [num_draft_tokens + batch, vocab_size] float32, None: all greedy
+    target_argmax: Tensor,  # [num_draft_tokens + batch] int64
     is_greedy: Tensor,  # [batch] bool
-    uniform_samples: Tensor,  # [num_draft_tokens] float32 or float64
-    recovery_noise: Tensor,  # [num_draft_tokens, vocab_size] float32
+    acceptance_uniforms: Tensor | None,  # [num_draft_tokens] float32 or float64
+    sample_uniforms: Tensor | None,  # [num_draft_tokens + batch] float32 or float64
     max_spec_len: int,
 ) -> Tensor:  # [batch, max_spec_len + 1] int64
     """Dispatch to Triton or the reference; the contract is in `kernels.rejection_reference`."""
-    if target_probs.is_cuda and triton_is_usable():
+    if target_argmax.is_cuda and triton_is_usable():
         from kernels.rejection_triton import rejection_sample as implementation
     else:
         implementation = rejection_sample_reference
     return implementation(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs,
-                          bonus_token_ids, is_greedy, uniform_samples, recovery_noise, max_spec_len)
+                          target_argmax, is_greedy, acceptance_uniforms, sample_uniforms,
+                          max_spec_len)

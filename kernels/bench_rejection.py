@@ -2,7 +2,8 @@
 
 With no CUDA device, Triton runs under its interpreter (TRITON_INTERPRET=1), which times Python, not a GPU:
 those numbers only show the kernel runs and agrees. On CUDA it also prints achieved bandwidth against the
-memory floor (every byte of p, q and noise at the draft positions read once). `random_inputs` is shared
+memory floor (every byte of p, and of q at a rejected position, at each request's final row read once;
+the draw reads them twice). `random_inputs` is shared
 with the kernel tests.
 """
 
@@ -46,18 +47,18 @@ def random_inputs(
     num_drafts_t = torch.tensor(num_drafts, dtype=torch.int64, device=device)
     request_of_token = torch.repeat_interleave(torch.arange(batch, device=device), num_drafts_t)
     target_rows = torch.arange(num_draft_tokens, device=device) + request_of_token
+    target_argmax = target_probs.argmax(-1)  # [num_draft_tokens + batch]
     use_argmax = is_greedy[request_of_token] & (torch.rand(num_draft_tokens, **rand) < 2 / 3)
-    draft_token_ids = torch.where(use_argmax, target_probs[target_rows].argmax(-1), draft_token_ids)
-    noise = torch.empty(num_draft_tokens, vocab_size, device=device).exponential_(generator=gen)
+    draft_token_ids = torch.where(use_argmax, target_argmax[target_rows], draft_token_ids)
     return {
         "draft_token_ids": draft_token_ids,
         "cu_num_draft_tokens": torch.cumsum(num_drafts_t, 0),
         "draft_probs": draft_probs if has_draft_probs else None,
         "target_probs": target_probs,
-        "bonus_token_ids": torch.randint(vocab_size, (batch,), **rand),
+        "target_argmax": target_argmax,
         "is_greedy": is_greedy,
-        "uniform_samples": torch.rand(num_draft_tokens, **rand),
-        "recovery_noise": noise.clamp_min_(torch.finfo(torch.float32).tiny),
+        "acceptance_uniforms": torch.rand(num_draft_tokens, **rand),
+        "sample_uniforms": torch.rand(num_draft_tokens + batch, dtype=torch.float64, **rand),
         "max_spec_len": max(num_drafts, default=0),
     }
 
@@ -128,8 +129,8 @@ def main() -> None:
             line = (f"{batch:>5} {k:>2} {vocab_size:>6} {'given' if has_draft_probs else 'one-hot':>7} "
                     f"{ref_s * 1e3:>12.3f} {tri_s * 1e3:>10.3f} {ref_s / tri_s:>7.3g} {equal!s:>5}")
             if is_cuda:
-                # floor: p, noise (and q) at every draft position, read once
-                floor_bytes = batch * k * vocab_size * 4 * (3 if has_draft_probs else 2)
+                # floor: p (and q) at each request's final row, read once
+                floor_bytes = batch * vocab_size * 4 * (2 if has_draft_probs else 1)
                 line += f"  {floor_bytes / tri_s / 1e9:>11.0f}  {floor_bytes / peak / 1e6:>8.3f}"
             print(line)
 

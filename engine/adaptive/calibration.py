@@ -11,6 +11,7 @@ from engine.request import Request
 from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.step_layout import StepLayout
 from engine.worker import Worker
 
 # token counts timed at start-up (decode batches with their drafts); steps in between are
@@ -31,9 +32,9 @@ def calibrate_verify_cost(cost: StepCostModel, worker: Worker, block_manager: Bl
             break
         request = Request(CALIBRATION_REQUEST_ID, [0], SamplingParams(temperature=0.0, max_tokens=1),
                           frozenset())
-        request.draft_token_ids = [0] * (num_tokens - 1)
-        item = ScheduledRequest(request, num_tokens, num_tokens - 1, is_sampling=True)
-        output = SchedulerOutput([item], num_tokens)
+        item = ScheduledRequest(request, num_tokens, is_sampling=True,
+                                draft_token_ids=[0] * (num_tokens - 1))
+        output = SchedulerOutput([item], num_tokens, StepLayout.build([item], worker.device))
         block_manager.allocate(CALIBRATION_REQUEST_ID, num_tokens)
         try:
             fastest = float("inf")
@@ -41,7 +42,7 @@ def calibrate_verify_cost(cost: StepCostModel, worker: Worker, block_manager: Bl
             for repeat in range(REPEATS + (num_tokens == CALIBRATION_SIZES[0])):
                 start = time.perf_counter()
                 out = worker.execute(output, block_manager)
-                sampler(out.logits, [item])
+                sampler(out.logits, output.layout)
                 fastest = min(fastest, time.perf_counter() - start)
         finally:
             block_manager.free(CALIBRATION_REQUEST_ID)

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 import torch
 
 from engine.request import Request
-from engine.sample.sampler import exponential_race, mask_banned_tokens, target_probs
+from engine.sample.metadata import banned_token_ids
+from engine.sample.sampler import request_probs, sample_one
+from engine.step_layout import DraftProposal
 
-
-@dataclass
-class DraftProposal:
-    # the draft tokens, in order; may be empty (no guess for this request this step)
-    token_ids: list[int]
-    # [len(token_ids), vocab] float32 draft distribution q at each position, or None when the draft
-    # is deterministic (n-gram, suffix): the rejection sampler then treats q as one-hot
-    probs: torch.Tensor | None = None
+__all__ = ["DraftProposal", "Proposer", "model_draft_proposal", "sample_draft_token"]
 
 
 class Proposer(ABC):
@@ -47,11 +41,13 @@ def sample_draft_token(logits: torch.Tensor, request: Request, offset: int) -> t
     """A model-based proposer's draft token at draft position `offset` (0-based) and its q, transformed
     exactly as the target's p will be (min_tokens masking, temperature, top-k, top-p): the rejection
     sampler compares like with like. logits: [vocab]."""
-    logits = mask_banned_tokens(logits[None], [(0, request, request.num_output_tokens + offset)])
+    banned = banned_token_ids(request, request.num_output_tokens + offset)
+    if banned:
+        logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))
     if request.params.is_greedy:
-        return int(logits[0].argmax()), logits[0]
-    q = target_probs(logits[0], request.params)  # [vocab]
-    return exponential_race(q, request.generator), q
+        return int(logits.argmax()), logits
+    q = request_probs(logits, request.params)  # [vocab]
+    return sample_one(q, request.generator), q
 
 
 def model_draft_proposal(request: Request, token_ids: list[int],

@@ -1,1 +1,2 @@
-"""Turning target logits into tokens: the plain sampler here, the rejection sampler with speculation."""
+"""Turning target logits into tokens: one rejection-sampling path (plain decoding is k = 0) over the
+step layout's per-row sampling tensors."""

@@ -1,102 +1,102 @@
-"""Logits -> next tokens for the requests that sample this step.
+"""Logits -> the target distribution p each row samples from, and the uniforms the draws use.
 
-Greedy rows take the argmax. Random rows apply temperature, then top-k, then top-p, and draw with the
-exponential race (argmax of p / E, E ~ Exp(1)), which samples exactly from p; a seeded request draws its E
-from its own generator, so its tokens do not depend on what else is in the batch.
+Temperature, then top-k, then top-p, with per-row parameters applied to all rows at once (sampling
+metadata). Proposers transform their q with the same functions, so p and q are compared like with like.
+Every draw is an inverse CDF at one uniform; a seeded request draws its uniforms from its own CPU
+generator, so its tokens do not depend on what else is in the batch, nor on the device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.request import Request, TokenLogprobs
+from engine.sample.metadata import SamplingMetadata
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledTokens
+from kernels.rejection_reference import to_fixed_point
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """Mask (to -inf) all but each row's top_k logits; ties with the k-th are kept.
+    logits: [rows, vocab]; top_k: [rows] int64, 0 = all; max_top_k: top_k's largest value."""
+    max_top_k = min(max_top_k, logits.shape[-1])
+    if max_top_k == 0:
+        return logits
+    top_values = torch.topk(logits, max_top_k, dim=-1).values  # [rows, max_top_k]
+    kth = top_values.gather(-1, (top_k.clamp(1, max_top_k) - 1)[:, None])  # [rows, 1]
+    kth = torch.where(top_k[:, None] > 0, kth, float("-inf"))  # a row without top-k keeps all
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what lies outside each row's nucleus: a token goes when the mass of the tokens
+    before it already reaches top_p, so the top token always stays. logits: [rows, vocab]; top_p:
+    [rows], 1 = all."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [rows, vocab]
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [rows, vocab]
+    # NOTE: a row with top_p = 1 drops nothing, though its rounded mass may pass 1
+    limit = torch.where(top_p < 1.0, top_p, float("inf"))[:, None]  # [rows, 1]
+    drop = torch.zeros_like(order, dtype=torch.bool).scatter(-1, order, mass_before >= limit)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) what top-k and top-p exclude; logits: [vocab] or [rows, vocab], already tempered."""
+    """One set of parameters for every row: [vocab] or [rows, vocab] logits, already tempered."""
+    rows = logits.reshape(-1, logits.shape[-1])  # [rows, vocab]
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        rows = apply_top_k(rows, rows.new_full((len(rows),), top_k, dtype=torch.int64), top_k)
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # NOTE: drop a token when the mass before it already reaches top_p; the top token always stays
-        drop_sorted = (cum_probs - sorted_logits.softmax(dim=-1)) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+        rows = apply_top_p(rows, rows.new_full((len(rows),), top_p, dtype=torch.float32))
+    return rows.reshape(logits.shape)
 
 
-def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a random request samples from: [vocab] or [rows, vocab], float32."""
+def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """p for every row: [num_rows, vocab] float32. Greedy rows come out untruncated at temperature 1;
+    the rejection sampler never reads them."""
+    rows = metadata.request_of_row  # [num_rows]
+    logits = logits.float() / metadata.temperature[rows, None]
+    if metadata.max_top_k:
+        logits = apply_top_k(logits, metadata.top_k[rows], metadata.max_top_k)
+    if metadata.has_top_p:
+        logits = apply_top_p(logits, metadata.top_p[rows])
+    return logits.softmax(dim=-1)
+
+
+def request_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One random request's distribution: [vocab] or [rows, vocab] float32 (proposers' q)."""
     logits = logits.float() / params.temperature
     return apply_top_k_top_p(logits, params.top_k_or_none, params.top_p).softmax(dim=-1)
 
 
-def exponential_race(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from `probs` [vocab]: argmax(p / E) with E ~ Exp(1) i.i.d. picks i with probability p_i.
-
-    A seeded request's generator lives on the CPU, so its draws are the same on every device.
-    """
-    if generator is not None and generator.device != probs.device:
-        noise = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=generator)
-        noise = noise.to(probs.device)
-    else:
-        noise = torch.empty_like(probs).exponential_(generator=generator)
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)  # 0/0 would make a masked token win
-    return int(torch.argmax(probs / noise))
-
-
-def compute_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
-    """Log-probabilities of the raw target distribution (before temperature), as OpenAI reports them."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
-    chosen = torch.tensor(token_ids, dtype=torch.int64, device=logits.device)
-    chosen_lp = logprobs.gather(1, chosen[:, None])  # [rows, 1]
-    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1  # [rows]
-    max_top = max(num_top)
-    top_lp, top_ids = torch.topk(logprobs, max_top, dim=-1) if max_top else (None, None)
-    out = []
-    for row, token_id in enumerate(token_ids):
-        top = [] if not num_top[row] else list(zip(top_ids[row, :num_top[row]].tolist(),
-                                                   top_lp[row, :num_top[row]].tolist()))
-        out.append(TokenLogprobs(token_id, float(chosen_lp[row]), int(ranks[row]), top))
-    return out
+def sample_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One draw from `probs` [vocab] by inverse CDF at one uniform (from the request's own generator
+    when it is seeded), over the same fixed-point CDF as the rejection sampler's draws: a token of
+    probability 0 is never drawn."""
+    uniform = torch.rand(1, dtype=torch.float64, generator=generator).item()
+    cdf = to_fixed_point(probs).cumsum(dim=0)  # [vocab] exact
+    total = int(cdf[-1])
+    if total == 0:
+        return int(probs.argmax())
+    threshold = min(int(uniform * total), total - 1)  # NOTE: as kernels.rejection_reference.inverse_cdf
+    return int(torch.searchsorted(cdf, cdf.new_tensor([threshold]), right=True))
 
 
-class Sampler:
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledTokens]:
-        """logits: [num_requests, vocab], row i for requests[i]; returns one token per request."""
-        raw_logits = logits
-        logits = mask_banned_tokens(logits, [(row, r, r.num_output_tokens)
-                                             for row, r in enumerate(requests)])
-        token_ids = torch.argmax(logits, dim=-1).tolist()  # greedy answer for every row
-        for row, request in enumerate(requests):
-            if request.params.is_greedy:
-                continue
-            probs = target_probs(logits[row], request.params)
-            token_ids[row] = exponential_race(probs, request.generator)  # NOTE: as RejectionSampler
-        want = [r.params.logprobs for r in requests]
-        if all(n is None for n in want):
-            return [SampledTokens([t]) for t in token_ids]
-        rows = [i for i, n in enumerate(want) if n is not None]
-        lps = compute_logprobs(raw_logits[rows], [token_ids[i] for i in rows], [want[i] for i in rows])
-        by_row = dict(zip(rows, lps))
-        return [SampledTokens([t], None if i not in by_row else [by_row[i]])
-                for i, t in enumerate(token_ids)]
+def draw_uniforms(metadata: SamplingMetadata, num_draft_tokens: int, num_rows: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's random numbers: ([num_draft_tokens] acceptance uniforms, [num_rows] sample uniforms),
+    float64. One batched draw on the device; seeded requests' entries are then replaced by 2k + 1 draws
+    from their own generators (the only loop, and over seeded requests alone)."""
+    uniforms = torch.rand(num_draft_tokens + num_rows, dtype=torch.float64, device=device)
+    if metadata.seeded:
+        own = torch.cat([torch.rand(2 * k + 1, dtype=torch.float64, generator=request.generator)
+                         for request, k in metadata.seeded])  # [sum(2k + 1)] on the CPU
+        uniforms.index_copy_(0, metadata.seeded_uniform_index, own.to(device))
+    return uniforms[:num_draft_tokens], uniforms[num_draft_tokens:]
 
 
-def mask_banned_tokens(logits: torch.Tensor,
-                       rows: list[tuple[int, Request, int]]) -> torch.Tensor:
-    """Before min_tokens is reached, EOS and stop tokens cannot be chosen.
-
-    rows: (logits row, its request, index of the output token that row picks).
-    """
-    banned = [(row, r) for row, r, index in rows if index < r.params.min_tokens]
-    if not banned:
+def mask_banned_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Before min_tokens is reached, EOS and stop tokens cannot be chosen (a copy when any is banned)."""
+    if metadata.banned is None:
         return logits
-    logits = logits.clone()
-    for row, request in banned:
-        logits[row, list(request.eos_token_ids | set(request.params.stop_token_ids))] = float("-inf")
-    return logits
+    rows, token_ids = metadata.banned
+    return logits.index_put((rows, token_ids), logits.new_tensor(float("-inf")))

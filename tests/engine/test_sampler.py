@@ -1,20 +1,20 @@
-"""engine/sample/sampler.py: greedy argmax, top-k / top-p masks, the exponential race against its
-target distribution, seeded determinism, min_tokens bans and logprobs."""
+"""engine/sample/: greedy argmax without probabilities, per-row top-k / top-p masks, the inverse-CDF draw
+against its target distribution, seeded determinism whatever the batch, min_tokens bans and logprobs;
+plain decoding goes through the rejection sampler with k = 0."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import engine.sample.rejection as rejection_module
 from engine.request import Request
-from engine.sample.sampler import (
-    Sampler,
-    apply_top_k_top_p,
-    compute_logprobs,
-    exponential_race,
-    target_probs,
-)
+from engine.sample.logprobs import compute_logprobs
+from engine.sample.rejection import RejectionSampler
+from engine.sample.sampler import apply_top_k_top_p, request_probs, sample_one, target_probs
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledTokens, ScheduledRequest
+from engine.step_layout import StepLayout
 
 EOS = 0
 VOCAB = 6
@@ -28,6 +28,19 @@ def make_request(request_id: str = "a", num_output_tokens: int = 0, **params: ob
     return request
 
 
+def layout_of(requests: list[Request], drafts: list[list[int]] | None = None) -> StepLayout:
+    """A step where every request samples: 1 + k rows each (k = 0 without drafts)."""
+    drafts = drafts or [[] for _ in requests]
+    items = [ScheduledRequest(r, 1 + len(d), is_sampling=True, draft_token_ids=d)
+             for r, d in zip(requests, drafts)]
+    return StepLayout.build(items, torch.device("cpu"))
+
+
+def sample(logits: torch.Tensor, requests: list[Request],
+           drafts: list[list[int]] | None = None) -> list[SampledTokens]:
+    return RejectionSampler()(logits, layout_of(requests, drafts))
+
+
 def log_p() -> torch.Tensor:
     return torch.tensor(P, dtype=torch.float64).log()  # [VOCAB]
 
@@ -39,13 +52,27 @@ def kept(logits: torch.Tensor) -> set[int]:
 # ---------------------------------------------------------------- greedy
 
 
-def test_greedy_rows_pick_argmax() -> None:
+def test_greedy_rows_pick_argmax_without_probabilities_or_random_numbers(monkeypatch) -> None:
+    def forbidden(*args, **kwargs):
+        raise AssertionError("an all-greedy step needs no p and no uniforms")
+
+    monkeypatch.setattr(rejection_module, "target_probs", forbidden)
+    monkeypatch.setattr(rejection_module, "draw_uniforms", forbidden)
     torch.manual_seed(0)
     logits = torch.randn(4, 50)  # [rows, vocab]
     requests = [make_request(f"r{i}", temperature=0.0, top_k=3, top_p=0.5) for i in range(4)]
-    tokens = Sampler()(logits, requests)
+    tokens = sample(logits, requests)
     assert [t.token_ids[0] for t in tokens] == logits.argmax(dim=-1).tolist()
     assert all(t.logprobs is None for t in tokens)
+
+
+def test_greedy_rows_beside_random_rows_still_pick_argmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)  # [rows, vocab]
+    requests = [make_request(f"r{i}", temperature=0.0 if i % 2 else 1.5) for i in range(6)]
+    tokens = sample(logits, requests)
+    argmax = logits.argmax(dim=-1).tolist()
+    assert [tokens[i].token_ids[0] for i in (1, 3, 5)] == [argmax[i] for i in (1, 3, 5)]
 
 
 # ---------------------------------------------------------------- top-k / top-p
@@ -78,55 +105,73 @@ def test_top_k_top_p_work_row_by_row() -> None:
     assert kept(masked[1]) == {5, 2}
 
 
-def test_target_probs_applies_temperature_then_masks() -> None:
+def test_request_probs_applies_temperature_then_masks() -> None:
     logits = log_p().float()
-    probs = target_probs(logits, SamplingParams(temperature=0.5, top_k=3))
+    probs = request_probs(logits, SamplingParams(temperature=0.5, top_k=3))
     expected = torch.zeros(VOCAB)
     expected[[4, 1, 3]] = (logits[[4, 1, 3]] / 0.5).softmax(dim=-1)
     torch.testing.assert_close(probs, expected)
 
 
-# ---------------------------------------------------------------- the exponential race
+def test_per_row_parameters_transform_each_row_as_its_own_request() -> None:
+    """One batched call over rows of different temperature, top-k and top-p (and k) equals each
+    request's distribution computed alone: no row borrows a neighbour's parameters."""
+    torch.manual_seed(0)
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=3),
+              SamplingParams(top_p=0.8), SamplingParams(temperature=0.5, top_k=10, top_p=0.6),
+              SamplingParams(temperature=0.0), SamplingParams(top_k=60)]
+    requests = [Request(f"r{i}", [1], p, frozenset({EOS})) for i, p in enumerate(params)]
+    drafts = [[1, 2], [], [3], [], [4, 5, 6], [7]]
+    layout = layout_of(requests, drafts)
+    logits = torch.randn(layout.num_rows, 50) * 3  # [rows, vocab]
+    probs = target_probs(logits, layout.sampling_metadata)
+    for index, request in enumerate(requests):
+        rows = layout.rows_of(index)
+        if request.params.is_greedy:
+            continue
+        torch.testing.assert_close(probs[rows.start:rows.stop],
+                                   request_probs(logits[rows.start:rows.stop], request.params),
+                                   rtol=0, atol=0)
 
 
-def test_exponential_race_matches_p() -> None:
+# ---------------------------------------------------------------- the inverse-CDF draw
+
+
+def test_sample_one_matches_p() -> None:
     num_draws = 20_000
     probs = torch.tensor(P)
     generator = torch.Generator().manual_seed(1234)
-    counts = torch.bincount(torch.tensor([exponential_race(probs, generator)
-                                          for _ in range(num_draws)]), minlength=VOCAB)
-    expected = [p * num_draws for p in P]
-    try:
-        from scipy.stats import chisquare
-    except ImportError:
-        total_variation = 0.5 * sum(abs(c / num_draws - p) for c, p in zip(counts.tolist(), P))
-        assert total_variation < 0.02
-    else:
-        assert chisquare(counts.tolist(), expected).pvalue > 1e-4
+    counts = torch.bincount(torch.tensor([sample_one(probs, generator) for _ in range(num_draws)]),
+                            minlength=VOCAB)
+    chisquare = pytest.importorskip("scipy.stats").chisquare
+    assert chisquare(counts.tolist(), [p * num_draws for p in P]).pvalue > 1e-4
 
 
-def test_exponential_race_never_picks_a_masked_token() -> None:
-    probs = target_probs(log_p().float(), SamplingParams(top_k=2))
+def test_sample_one_never_picks_a_masked_token() -> None:
+    probs = request_probs(log_p().float(), SamplingParams(top_k=2))
     generator = torch.Generator().manual_seed(0)
-    draws = {exponential_race(probs, generator) for _ in range(2000)}
+    draws = {sample_one(probs, generator) for _ in range(2000)}
     assert draws == {4, 1}
 
 
-def draws(seed: int, num_draws: int = 64) -> list[int]:
-    """A seeded request's tokens when it shares the batch with an unseeded neighbour."""
-    sampler = Sampler()
-    seeded, neighbour = make_request("s", seed=seed), make_request("n")
-    logits = torch.zeros(2, 32)  # [rows, vocab]: uniform, so every draw is pure noise
-    return [sampler(logits, [neighbour, seeded])[1].token_ids[0] for _ in range(num_draws)]
+def draws(seed: int, neighbours: int, drafts: list[int], num_draws: int = 48) -> list[list[int]]:
+    """A seeded request's tokens (its drafts verified too) beside `neighbours` unseeded requests."""
+    sampler = RejectionSampler()
+    seeded = make_request("s", seed=seed)
+    requests = [make_request(f"n{i}") for i in range(neighbours)] + [seeded]
+    layout = layout_of(requests, [[] for _ in range(neighbours)] + [drafts])
+    logits = torch.zeros(layout.num_rows, 32)  # [rows, vocab]: uniform, so every draw is pure noise
+    return [sampler(logits, layout)[-1].token_ids for _ in range(num_draws)]
 
 
-def test_same_seed_same_tokens_different_seed_different_tokens() -> None:
+@pytest.mark.parametrize("drafts", [[], [3, 9]], ids=["k0", "k2"])
+def test_same_seed_same_tokens_whatever_the_batch(drafts: list[int]) -> None:
     torch.manual_seed(0)
-    first = draws(seed=7)
-    torch.manual_seed(99)  # the neighbour's global stream changes; the seeded stream must not
-    assert draws(seed=7) == first
-    assert draws(seed=8) != first
-    assert len(set(first)) > 1
+    first = draws(seed=7, neighbours=1, drafts=drafts)
+    torch.manual_seed(99)  # the neighbours' global stream changes; the seeded stream must not
+    assert draws(seed=7, neighbours=3, drafts=drafts) == first
+    assert draws(seed=8, neighbours=1, drafts=drafts) != first
+    assert len({tuple(t) for t in first}) > 1
 
 
 # ---------------------------------------------------------------- min_tokens
@@ -143,8 +188,16 @@ def test_min_tokens_bans_eos_and_stop_tokens(num_output_tokens: int, min_tokens:
     logits = torch.tensor([[9.0, 8.0, 0.0, 7.0, 1.0]])  # [1, vocab]
     request = make_request(num_output_tokens=num_output_tokens, temperature=0.0,
                            min_tokens=min_tokens, stop_token_ids=[1])
-    assert Sampler()(logits, [request])[0].token_ids == [expected]
+    assert sample(logits, [request])[0].token_ids == [expected]
     assert logits[0, EOS] == 9.0  # the caller's logits are not modified
+
+
+def test_min_tokens_bans_only_the_rows_before_it_is_reached() -> None:
+    """A verification's rows are output tokens n, n + 1, ...: only those before min_tokens are banned."""
+    logits = torch.tensor([[9.0, 0.0, 5.0, 1.0]] * 3)  # [3 rows, vocab]: argmax EOS, then 2
+    request = make_request(num_output_tokens=1, temperature=0.0, min_tokens=2)
+    # row 0 (output token 1) bans EOS, so 2 matches the first draft; row 1 may emit EOS
+    assert sample(logits, [request], [[2, 2]])[0].token_ids == [2, EOS]
 
 
 # ---------------------------------------------------------------- logprobs
@@ -155,9 +208,10 @@ def test_compute_logprobs() -> None:
     logits = torch.randn(3, 40)  # [rows, vocab]
     order = logits.argsort(dim=-1, descending=True)
     token_ids = [int(order[0, 0]), int(order[1, 4]), int(order[2, 39])]
-    out = compute_logprobs(logits, token_ids, [3, 0, 5])
+    rows = compute_logprobs(logits, torch.tensor(token_ids), 5)
     expected = torch.log_softmax(logits, dim=-1)
-    for row, (lp, rank, num_top) in enumerate(zip(out, [1, 5, 40], [3, 0, 5])):
+    for row, (rank, num_top) in enumerate(zip([1, 5, 40], [3, 0, 5])):
+        [lp] = rows.token_logprobs(row, [token_ids[row]], num_top)
         assert lp.token_id == token_ids[row]
         assert lp.logprob == pytest.approx(float(expected[row, token_ids[row]]), abs=1e-6)
         assert lp.rank == rank
@@ -171,10 +225,22 @@ def test_sampler_logprobs_are_raw_not_tempered() -> None:
     torch.manual_seed(0)
     logits = torch.randn(2, 30)  # [rows, vocab]
     requests = [make_request("t", temperature=0.3, seed=1, logprobs=2), make_request("g")]
-    tokens = Sampler()(logits, requests)
+    tokens = sample(logits, requests)
     assert tokens[0].logprobs is not None and tokens[1].logprobs is None
     lp = tokens[0].logprobs[0]
     expected = torch.log_softmax(logits[0], dim=-1)
     assert lp.token_id == tokens[0].token_ids[0]
     assert lp.logprob == pytest.approx(float(expected[lp.token_id]), abs=1e-6)
     assert [t for t, _ in lp.top] == expected.topk(2).indices.tolist()
+
+
+def test_logprobs_of_verified_tokens_come_from_their_own_rows() -> None:
+    torch.manual_seed(0)
+    requests = [make_request("a", temperature=0.0), make_request("b", temperature=0.0, logprobs=1)]
+    logits = torch.randn(5, 20)  # a: 2 rows, b: 3 rows
+    drafts = [[int(logits[0].argmax())], [int(logits[2].argmax()), int(logits[3].argmax())]]
+    tokens = sample(logits, requests, drafts)
+    assert tokens[1].token_ids == logits[2:5].argmax(dim=-1).tolist()  # both drafts, then bonus
+    expected = torch.log_softmax(logits[2:5], dim=-1)
+    assert [lp.logprob for lp in tokens[1].logprobs] == pytest.approx(
+        expected.max(dim=-1).values.tolist(), abs=1e-6)

@@ -333,14 +333,16 @@ def test_speculative_sampling_follows_the_target(target, draft, target_logits, m
 def accept_with_probability_p(**args):
     """Accepts draft x with probability p(x) instead of min(1, p(x)/q(x)): the reference accepts
     when u * q(x) < p(x), so it is handed u / q(x)."""
+    if args["draft_probs"] is None:  # a step without drafts to accept
+        return rejection_sample_reference(**args)
     q_of_draft = args["draft_probs"].gather(1, args["draft_token_ids"][:, None])[:, 0]
-    args["uniform_samples"] = args["uniform_samples"].double() / q_of_draft.double()
+    args["acceptance_uniforms"] = args["acceptance_uniforms"].double() / q_of_draft.double()
     return rejection_sample_reference(**args)
 
 
-def recover_from_p(target_probs, draft_probs, draft_token_ids, recovery_noise, is_greedy):
-    """Samples the recovered token from p instead of the residual norm(max(0, p - q))."""
-    return (target_probs / recovery_noise).argmax(dim=-1)
+def recover_from_p(target_probs, draft_probs, draft_token_ids):
+    """Draws the recovered token from p instead of the residual norm(max(0, p - q))."""
+    return target_probs
 
 
 def bonus_from_the_last_draft_row(**args):
@@ -349,28 +351,29 @@ def bonus_from_the_last_draft_row(**args):
     cu = args["cu_num_draft_tokens"]
     num_drafts = torch.diff(cu, prepend=cu.new_zeros(1))
     bonus_row = cu + torch.arange(len(cu))  # request i's rows are cu[i-1] + i .. cu[i] + i
-    probs = args["target_probs"][torch.where(num_drafts > 0, bonus_row - 1, bonus_row)]
-    generator = torch.Generator().manual_seed(int(cu[-1]) * 7919 + len(cu))
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    args["bonus_token_ids"] = (probs / noise.clamp_min(1e-30)).argmax(dim=-1)
-    return rejection_sample_reference(**args)
+    shifted = bonus_row[num_drafts > 0]
+    probs = args["target_probs"].clone()
+    probs[shifted] = probs[shifted - 1]
+    return rejection_sample_reference(**dict(args, target_probs=probs))
 
 
-def temperature_after_top_p(logits, params):
+def temperature_after_top_p(logits, metadata):
     """Truncates (top-k, top-p) the untempered distribution, then applies the temperature."""
-    kept = sampler_module.apply_top_k_top_p(logits.float(), params.top_k_or_none, params.top_p)
-    return (kept / params.temperature).softmax(dim=-1)
+    rows = metadata.request_of_row
+    kept = sampler_module.apply_top_k(logits.float(), metadata.top_k[rows], metadata.max_top_k)
+    kept = sampler_module.apply_top_p(kept, metadata.top_p[rows])
+    return (kept / metadata.temperature[rows, None]).softmax(dim=-1)
 
 
 DRAFT_T1 = (Case(temperature=1.0), {"method": "draft_model", "num_speculative_tokens": K})
 BROKEN = {
     "accepts_with_p_not_min_1_p_over_q": (rejection_module, "rejection_sample",
                                           accept_with_probability_p, DRAFT_T1),
-    "recovers_from_p_not_the_residual": (reference_module, "_recovered_token_ids",
+    "recovers_from_p_not_the_residual": (reference_module, "recovery_weights",
                                          recover_from_p, DRAFT_T1),
     "bonus_from_the_last_draft_row": (rejection_module, "rejection_sample",
                                       bonus_from_the_last_draft_row, DRAFT_T1),
-    "temperature_after_top_p": (sampler_module, "target_probs", temperature_after_top_p,
+    "temperature_after_top_p": (rejection_module, "target_probs", temperature_after_top_p,
                                 (Case(temperature=0.7, top_k=3, top_p=0.9), None)),
 }
 

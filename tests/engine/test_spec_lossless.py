@@ -123,6 +123,7 @@ def test_drafts_are_dropped_before_anyone_is_preempted(checkpoint):
     """With the pool nearly full, a request's drafts go before another request's KV does."""
     from engine.request import Request
     from engine.scheduler import SampledTokens
+    from engine.step_layout import DraftProposal, DraftTokens
 
     llm = LLM(checkpoint, dtype="float64", max_model_len=16, num_kv_blocks=4, block_size=4)
     scheduler = llm.engine.scheduler
@@ -130,10 +131,13 @@ def test_drafts_are_dropped_before_anyone_is_preempted(checkpoint):
         scheduler.add_request(Request(request_id, [1, 2, 3, 4, 5, 6, 7], greedy(), frozenset()))
     first = scheduler.schedule()  # both prefill: 2 blocks each, the pool is full
     scheduler.commit(first, [SampledTokens([9]), SampledTokens([9])])
-    scheduler.running[0].draft_token_ids = [1, 2, 3, 4]  # would need a third block for "a"
+    # would need a third block for "a"
+    scheduler.update_draft_token_ids(DraftTokens({"a": DraftProposal([1, 2, 3, 4])}))
+    assert scheduler.drafts["a"].token_ids == [1, 2, 3, 4]
     second = scheduler.schedule()
     assert second.preempted_ids == []
     assert [item.num_draft_tokens for item in second.scheduled] == [0, 0]
+    assert "a" not in scheduler.drafts
 
 
 def test_logprobs_with_speculation_come_from_the_target(checkpoint):

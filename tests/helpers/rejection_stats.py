@@ -63,16 +63,16 @@ def draw_chains(case: DistCase, k: int, num_rows: int, seed: int) -> tuple[dict,
         previous = torch.multinomial(draft_rows[-1], 1, generator=gen).squeeze(1)
         drafts.append(previous)
     target_rows.append(target_table[k][previous])  # the bonus row
-    noise = torch.empty(num_rows * k, VOCAB).exponential_(generator=gen)
+    target_probs = torch.stack(target_rows, 1).reshape(-1, VOCAB)  # [num_rows * (k + 1), vocab]
     args = {
         "draft_token_ids": torch.stack(drafts, 1).reshape(-1),
         "cu_num_draft_tokens": torch.arange(1, num_rows + 1) * k,
         "draft_probs": None if case.draft == "one_hot" else torch.stack(draft_rows, 1).reshape(-1, VOCAB),
-        "target_probs": torch.stack(target_rows, 1).reshape(-1, VOCAB),
-        "bonus_token_ids": torch.multinomial(target_rows[-1], 1, generator=gen).squeeze(1),
+        "target_probs": target_probs,
+        "target_argmax": target_probs.argmax(-1),
         "is_greedy": torch.zeros(num_rows, dtype=torch.bool),
-        "uniform_samples": torch.rand(num_rows * k, generator=gen),
-        "recovery_noise": noise.clamp_min_(torch.finfo(torch.float32).tiny),
+        "acceptance_uniforms": torch.rand(num_rows * k, generator=gen),
+        "sample_uniforms": torch.rand(num_rows * (k + 1), generator=gen, dtype=torch.float64),
         "max_spec_len": k,
     }
     return args, target_table

@@ -43,31 +43,86 @@ def test_matches_reference(seed: int, has_draft_probs: bool, vocab_size: int) ->
     assert 1 in num_emitted.tolist() and (num_emitted > 1).any()
 
 
-def test_matches_reference_with_float64_uniforms_and_padding() -> None:
+def test_matches_reference_with_float32_uniforms_and_padding() -> None:
     args = random_inputs(MIXED_K, 100, has_draft_probs=True, greedy_fraction=0.0, seed=7)
-    args = dict(args, uniform_samples=args["uniform_samples"].double(), max_spec_len=7)
+    args = dict(args, acceptance_uniforms=args["acceptance_uniforms"].double(),
+                sample_uniforms=args["sample_uniforms"].float(), max_spec_len=7)
     assert torch.equal(rejection_triton.rejection_sample(**args), reference(**args))
 
 
-def test_matches_reference_over_several_vocab_blocks() -> None:
+@pytest.mark.parametrize("has_draft_probs", [True, False], ids=["q", "one_hot"])
+def test_matches_reference_over_several_vocab_blocks(has_draft_probs: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Draws land in every block of a 16-wide split, across the carry from block to block."""
+    monkeypatch.setattr(rejection_triton, "MAX_BLOCK_SIZE", 16)
+    args = random_inputs([2, 3, 0, 1] * 4, 100, has_draft_probs=has_draft_probs,
+                         greedy_fraction=0.25, seed=3)
+    flat = (torch.randn(args["target_probs"].shape, generator=torch.Generator().manual_seed(0))
+            * 0.1).softmax(-1)  # nearly uniform p: the draws spread over all blocks
+    args = dict(args, target_probs=flat, target_argmax=flat.argmax(-1))
+    expected = reference(**args)
+    assert torch.equal(rejection_triton.rejection_sample(**args), expected)
+    assert len({t // 16 for t in expected[expected >= 0].tolist()}) >= 5
+
+
+def test_matches_reference_at_a_serving_vocab() -> None:
     args = random_inputs([2, 3, 0, 1], 5000, has_draft_probs=True, greedy_fraction=0.5, seed=3)
     assert torch.equal(rejection_triton.rejection_sample(**args), reference(**args))
 
 
-def test_ties_across_blocks_go_to_the_lowest_token_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rejection_triton, "MAX_BLOCK_SIZE", 16)
-    vocab_size = 100
-    args = random_inputs([1, 1], vocab_size, has_draft_probs=False, greedy_fraction=0.0, seed=0)
-    target_probs = torch.zeros(4, vocab_size)
-    target_probs[:, [5, 37, 38, 90]] = 0.25  # equal maxima in blocks 0, 2 and 5
-    args.update(target_probs=target_probs, is_greedy=torch.tensor([True, False]),
-                draft_token_ids=torch.tensor([37, 5]), uniform_samples=torch.tensor([0.0, 0.5]),
-                recovery_noise=torch.ones(2, vocab_size))
-    # greedy: 37 is a maximum but not the argmax (5), so it is rejected and 5 recovered;
-    # random: 5 is rejected (u = 0.5 >= 0.25), then 37 is the lowest of the remaining ties
-    expected = torch.tensor([[5, -1], [37, -1]])
-    assert torch.equal(reference(**args), expected)
+def test_all_greedy_needs_no_probabilities() -> None:
+    args = random_inputs(MIXED_K, 50, has_draft_probs=True, greedy_fraction=1.0, seed=1)
+    args = dict(args, target_probs=None, acceptance_uniforms=None, sample_uniforms=None)
+    expected = reference(**args)
     assert torch.equal(rejection_triton.rejection_sample(**args), expected)
+    assert (expected >= 0).sum() > len(MIXED_K)  # some drafts were accepted
+
+
+@pytest.mark.parametrize("uniform", [0.0, 1 - 2**-53, 1.0])
+def test_a_zero_probability_token_is_never_drawn(uniform: float,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Edges of the CDF with zeros around the mass, in blocks of 16: exactly the reference's tokens,
+    each with probability > 0 (u = 0 the first such token, u near or at 1 the last)."""
+    monkeypatch.setattr(rejection_triton, "MAX_BLOCK_SIZE", 16)
+    vocab_size = 64
+    target_probs = torch.zeros(4, vocab_size)
+    target_probs[:, [3, 17, 40]] = torch.tensor([0.2, 0.5, 0.3])  # zeros before, between, after
+    args = {
+        "draft_token_ids": torch.tensor([17, 3]),
+        "cu_num_draft_tokens": torch.tensor([1, 2]),
+        "draft_probs": None,
+        "target_probs": target_probs,
+        "target_argmax": target_probs.argmax(-1),
+        "is_greedy": torch.tensor([False, False]),
+        "acceptance_uniforms": torch.tensor([0.9, 0.0]),  # 17 rejected, 3 accepted
+        "sample_uniforms": torch.full((4,), uniform, dtype=torch.float64),
+        "max_spec_len": 1,
+    }
+    expected = reference(**args)
+    assert torch.equal(rejection_triton.rejection_sample(**args), expected)
+    first, last = (3, 40) if uniform == 0.0 else (40, 40)
+    assert expected.tolist() == [[first, -1], [3, last if uniform else 3]]
+
+
+@pytest.mark.parametrize("has_draft_probs", [True, False], ids=["q", "one_hot"])
+def test_an_empty_residual_falls_back_to_p(has_draft_probs: bool) -> None:
+    """p <= q everywhere (p == q but for rounding) leaves no residual: the draw then comes from p."""
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    args = {
+        "draft_token_ids": torch.tensor([2]),
+        "cu_num_draft_tokens": torch.tensor([1]),
+        "draft_probs": torch.tensor([[0.0, 0.5, 0.6, 0.0]]) if has_draft_probs else None,
+        # one-hot: what p leaves beside x is below the fixed-point resolution (2^-42)
+        "target_probs": p if has_draft_probs else torch.tensor([[1e-13, 0.0, 0.5, 0.0], p[1].tolist()]),
+        "target_argmax": torch.tensor([0, 0]),  # unread: p has mass
+        "is_greedy": torch.tensor([False]),
+        "acceptance_uniforms": torch.tensor([0.99]),  # 0.99 * q(x) >= p(x) = 0.5: rejected
+        "sample_uniforms": torch.tensor([0.25, 0.5], dtype=torch.float64),
+        "max_spec_len": 1,
+    }
+    expected = reference(**args)
+    assert torch.equal(rejection_triton.rejection_sample(**args), expected)
+    assert expected.tolist() == [[1 if has_draft_probs else 2, -1]]
 
 
 @pytest.mark.parametrize("num_drafts", [[0, 0, 0], []], ids=["all_k_0", "empty_batch"])
@@ -75,7 +130,7 @@ def test_no_drafts(num_drafts: list[int]) -> None:
     args = random_inputs(num_drafts, 10, has_draft_probs=True, greedy_fraction=0.5, seed=0)
     out = rejection_triton.rejection_sample(**args)
     assert torch.equal(out, reference(**args))
-    assert torch.equal(out[:, 0], args["bonus_token_ids"])
+    assert out.shape == (len(num_drafts), 1)
 
 
 def test_first_token_follows_target_distribution() -> None:
@@ -84,16 +139,16 @@ def test_first_token_follows_target_distribution() -> None:
     num_rows, k, vocab_size = 2000, 2, 6
     p = (torch.randn(vocab_size, generator=gen) * 1.5).softmax(-1)
     q = (torch.randn(vocab_size, generator=gen) * 1.5).softmax(-1)
-    noise = torch.empty(num_rows * k, vocab_size).exponential_(generator=gen)
+    target_probs = p.expand(num_rows * (k + 1), -1).contiguous()
     args = {
         "draft_token_ids": torch.multinomial(q, num_rows * k, replacement=True, generator=gen),
         "cu_num_draft_tokens": torch.arange(1, num_rows + 1) * k,
         "draft_probs": q.expand(num_rows * k, -1).contiguous(),
-        "target_probs": p.expand(num_rows * (k + 1), -1).contiguous(),
-        "bonus_token_ids": torch.multinomial(p, num_rows, replacement=True, generator=gen),
+        "target_probs": target_probs,
+        "target_argmax": target_probs.argmax(-1),
         "is_greedy": torch.zeros(num_rows, dtype=torch.bool),
-        "uniform_samples": torch.rand(num_rows * k, generator=gen),
-        "recovery_noise": noise.clamp_min_(torch.finfo(torch.float32).tiny),
+        "acceptance_uniforms": torch.rand(num_rows * k, generator=gen),
+        "sample_uniforms": torch.rand(num_rows * (k + 1), generator=gen, dtype=torch.float64),
         "max_spec_len": k,
     }
     out = rejection_triton.rejection_sample(**args)
@@ -114,21 +169,26 @@ from triton.compiler import ASTSource
 from kernels import rejection_triton as rt
 
 def signature(kernel, constexprs, uniform_type):
-    types = {"is_greedy_ptr": "*i1", "uniform_samples_ptr": uniform_type}
+    types = {"is_greedy_ptr": "*i1", "acceptance_uniforms_ptr": uniform_type,
+             "sample_uniforms_ptr": uniform_type}
     for name in kernel.arg_names:
-        if name.endswith("_ids_ptr") or name.startswith("cu_"):
+        if name.endswith(("_ids_ptr", "_argmax_ptr")) or name.startswith(("cu_", "num_")):
             types[name] = "*i64"
-        elif name.endswith("_probs_ptr") or name == "recovery_noise_ptr":
+        elif name.endswith("_probs_ptr"):
             types[name] = "*fp32"
     return {name: "constexpr" if name in constexprs else types.get(name, "i32")
             for name in kernel.arg_names}
 
 variants = {
-    "recovered_q": (rt._recovered_token_kernel, {"HAS_DRAFT_PROBS": True, "BLOCK_SIZE": 2048}, ""),
-    "recovered_one_hot": (rt._recovered_token_kernel, {"HAS_DRAFT_PROBS": False, "BLOCK_SIZE": 1024},
-                          ""),
-    "accept_q_fp32": (rt._accept_kernel, {"HAS_DRAFT_PROBS": True, "BLOCK_K": 8}, "*fp32"),
-    "accept_one_hot_fp64": (rt._accept_kernel, {"HAS_DRAFT_PROBS": False, "BLOCK_K": 4}, "*fp64"),
+    "final_q": (rt._final_token_kernel, {"HAS_DRAFT_PROBS": True, "BLOCK_SIZE": 2048}, "*fp64"),
+    "final_one_hot": (rt._final_token_kernel, {"HAS_DRAFT_PROBS": False, "BLOCK_SIZE": 1024},
+                      "*fp32"),
+    "accept_q_fp32": (rt._accept_kernel, {"HAS_DRAFT_PROBS": True, "HAS_TARGET_PROBS": True,
+                                          "BLOCK_K": 8}, "*fp32"),
+    "accept_one_hot_fp64": (rt._accept_kernel, {"HAS_DRAFT_PROBS": False, "HAS_TARGET_PROBS": True,
+                                                "BLOCK_K": 4}, "*fp64"),
+    "accept_all_greedy": (rt._accept_kernel, {"HAS_DRAFT_PROBS": False, "HAS_TARGET_PROBS": False,
+                                              "BLOCK_K": 4}, "*fp64"),
 }
 result = {}
 for name, (kernel, constexprs, uniform_type) in variants.items():
@@ -137,7 +197,8 @@ for name, (kernel, constexprs, uniform_type) in variants.items():
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"enable_fp_fusion": False})
     ptx = compiled.asm.get("ptx", "")
-    result[name] = {"ptx": ".entry" in ptx, "divisions": sorted(set(re.findall(r"div\.\w+\.f32", ptx)))}
+    result[name] = {"ptx": ".entry" in ptx, "fma": bool(re.search(r"\bfma\.", ptx)),
+                    "conversions": sorted(set(re.findall(r"cvt\.\w+\.\w+\.\w+", ptx)))}
 print(json.dumps(result))
 """
 
@@ -154,12 +215,18 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", ["recovered_q", "recovered_one_hot", "accept_q_fp32",
-                                     "accept_one_hot_fp64"])
-def test_compiles_to_ptx_for_sm90(compiled: dict[str, dict], variant: str) -> None:
+VARIANTS = ["final_q", "final_one_hot", "accept_q_fp32", "accept_one_hot_fp64", "accept_all_greedy"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compiles_to_ptx_for_sm90_without_fused_multiply_adds(compiled: dict[str, dict],
+                                                              variant: str) -> None:
     assert compiled[variant]["ptx"]
+    assert not compiled[variant]["fma"]
 
 
-def test_recovered_score_uses_ieee_division(compiled: dict[str, dict]) -> None:
-    """div.rn (not the approximate div.full) keeps the GPU bit-identical to torch's r / noise."""
-    assert compiled["recovered_q"]["divisions"] == ["div.rn.f32"]
+def test_the_draw_converts_as_torch_does(compiled: dict[str, dict]) -> None:
+    """Probabilities to fixed point and u * total to an integer truncate (rzi), and the total becomes
+    a double by round-to-nearest (rn), as torch's .to() does: the GPU finds the reference's token."""
+    conversions = set(compiled["final_q"]["conversions"])
+    assert {"cvt.rzi.s64.f32", "cvt.rn.f64.s64", "cvt.rzi.s64.f64"} <= conversions

@@ -1,0 +1,112 @@
+"""Each sampling request's parameters as tensors, built once per step, so the sampler transforms every
+row in one go instead of request by request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.request import Request
+
+
+@dataclass
+class SamplingMetadata:
+    # ---- per sampling request, in batch order ----
+    # [batch] bool
+    is_greedy: torch.Tensor
+    # [batch] float32: the divisor of the logits (1 for greedy requests, which never use p)
+    temperature: torch.Tensor
+    # [batch] int64: keep the top_k most likely tokens; 0 = all
+    top_k: torch.Tensor
+    # [batch] float32: nucleus mass; 1 = all
+    top_p: torch.Tensor
+    # ---- per logits row ----
+    # [num_rows] int64: the sampling request each row belongs to
+    request_of_row: torch.Tensor
+    # ---- what the sampler may skip (host) ----
+    is_all_greedy: bool
+    has_greedy: bool
+    # the largest top_k of a random request, 0 when none truncates
+    max_top_k: int
+    has_top_p: bool
+    # ---- seeded random requests: their uniforms come from their own CPU generators ----
+    # (request, k) in batch order: each draws 2k + 1 uniforms per step, acceptance ones first
+    seeded: list[tuple[Request, int]]
+    # [sum(2k + 1)] int64: where those uniforms go in the step's uniforms (sampler.draw_uniforms)
+    seeded_uniform_index: torch.Tensor | None
+    # ---- min_tokens: (row, token id) pairs that cannot be chosen yet; None when there are none ----
+    # ([num_banned] int64 rows, [num_banned] int64 token ids)
+    banned: tuple[torch.Tensor, torch.Tensor] | None
+    # ---- logprobs: batch indices of the requests that want them, and top-N for each ----
+    logprobs_requests: list[int]
+    num_top_logprobs: list[int]
+
+    @classmethod
+    def build(cls, requests: list[Request], num_drafts: list[int], logits_starts: list[int],
+              device: torch.device) -> SamplingMetadata:
+        """requests in batch order with their k and first logits row (the step layout's)."""
+        num_draft_tokens = sum(num_drafts)
+        is_greedy, temperature, top_k, top_p, request_of_row = [], [], [], [], []
+        seeded: list[tuple[Request, int]] = []
+        seeded_index: list[int] = []
+        banned_rows: list[int] = []
+        banned_ids: list[int] = []
+        logprobs_requests, num_top = [], []
+        draft_start = 0
+        for index, (request, k, row) in enumerate(zip(requests, num_drafts, logits_starts)):
+            params = request.params
+            is_greedy.append(params.is_greedy)
+            temperature.append(1.0 if params.is_greedy else params.temperature)
+            top_k.append(0 if params.is_greedy else max(params.top_k, 0))
+            top_p.append(1.0 if params.is_greedy else params.top_p)
+            request_of_row += [index] * (k + 1)
+            if request.generator is not None and not params.is_greedy:
+                seeded.append((request, k))
+                # NOTE: acceptance uniforms come first, then one per row (recovered or bonus draw)
+                seeded_index += range(draft_start, draft_start + k)
+                seeded_index += range(num_draft_tokens + row, num_draft_tokens + row + k + 1)
+            num_banned_rows = min(k + 1, params.min_tokens - request.num_output_tokens)
+            if num_banned_rows > 0:
+                ids = banned_token_ids(request, request.num_output_tokens)
+                for offset in range(num_banned_rows):
+                    banned_rows += [row + offset] * len(ids)
+                    banned_ids += ids
+            if params.logprobs is not None:
+                logprobs_requests.append(index)
+                num_top.append(params.logprobs)
+            draft_start += k
+        greedy_ints, top_k_t, rows_t, seeded_t, banned_rows_t, banned_ids_t = to_device(
+            [is_greedy, top_k, request_of_row, seeded_index, banned_rows, banned_ids], torch.int64,
+            device)
+        temperature_t, top_p_t = to_device([temperature, top_p], torch.float32, device)
+        return cls(
+            is_greedy=greedy_ints.bool(),
+            temperature=temperature_t,
+            top_k=top_k_t,
+            top_p=top_p_t,
+            request_of_row=rows_t,
+            is_all_greedy=all(is_greedy),
+            has_greedy=any(is_greedy),
+            max_top_k=max(top_k, default=0),
+            has_top_p=any(p < 1.0 for p in top_p),
+            seeded=seeded,
+            seeded_uniform_index=seeded_t if seeded else None,
+            banned=(banned_rows_t, banned_ids_t) if banned_rows else None,
+            logprobs_requests=logprobs_requests,
+            num_top_logprobs=num_top,
+        )
+
+
+def to_device(lists: list[list], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Host lists -> 1-D tensors on `device`, in one tensor and one copy (each step builds several):
+    contiguous views of it, one per list."""
+    packed = torch.tensor([value for values in lists for value in values], dtype=dtype)
+    return list(packed.to(device).split_with_sizes([len(values) for values in lists]))
+
+
+def banned_token_ids(request: Request, output_index: int) -> list[int]:
+    """Tokens the request's output token number `output_index` cannot be (min_tokens)."""
+    if output_index >= request.params.min_tokens:
+        return []
+    return sorted(request.eos_token_ids | set(request.params.stop_token_ids))

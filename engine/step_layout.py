@@ -1,0 +1,132 @@
+"""Where everything of one step sits in its flattened batch, worked out once per step.
+
+Input building reads the logits rows from it, the rejection sampler the drafts and sampling tensors,
+commit and the proposers each request's rows. Drafts travel as typed objects: a proposer returns a
+`DraftProposal` per request, the engine hands them to the scheduler as one `DraftTokens`, and the
+scheduler puts what fits the step into its `ScheduledRequest`s.
+
+    one step: A mid-prefill (4 prompt tokens), B verifying k = 2 drafts, C decoding with k = 0
+    token rows   | 0  1  2  3  | 4  5   6   | 7  |   token_starts [0, 4, 7, 8]
+                 | A  A  A  A  | Bt Bx1 Bx2 | Ct |   (t: the last known token, x: a draft)
+    logits rows                | 0  1   2   | 3  |   logits_indices [4, 5, 6, 7], logits_starts [0, 3]
+    drafts [Bx1, Bx2], cu_num_draft_tokens [2, 2]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sample.metadata import SamplingMetadata, to_device
+
+if TYPE_CHECKING:
+    from engine.scheduler import ScheduledRequest
+
+
+@dataclass
+class DraftProposal:
+    # the draft tokens, in order; may be empty (no guess for this request this step)
+    token_ids: list[int]
+    # [len(token_ids), vocab] float32 draft distribution q at each position, or None when the draft
+    # is deterministic (n-gram, suffix): the rejection sampler then treats q as one-hot
+    probs: torch.Tensor | None = None
+
+
+@dataclass
+class DraftTokens:
+    """Drafts proposed at the end of a step for the next one: what the engine hands the scheduler
+    (`Scheduler.update_draft_token_ids`). A request left out keeps the draft it had."""
+
+    # request id -> its proposal (an empty one clears the request's draft)
+    proposals: dict[str, DraftProposal]
+
+
+@dataclass
+class StepLayout:
+    # ---- every scheduled request, in batch order ----
+    # [num_scheduled + 1] host: request i's tokens are rows token_starts[i] .. token_starts[i+1]-1
+    token_starts: list[int]
+    # ---- the sampling requests, in batch order (each has 1 + k_i rows of logits) ----
+    sampling: list[ScheduledRequest]
+    # [batch] host: each sampling request's first logits row; its rows are start .. start + k_i
+    logits_starts: list[int]
+    # [num_rows] int64: rows of the flattened batch whose logits are needed, request after request
+    # (its last known token's row, then one per draft token); num_rows = num_draft_tokens + batch
+    logits_indices: torch.Tensor
+    # [num_draft_tokens] int64: the drafts verified this step, request after request
+    draft_token_ids: torch.Tensor
+    # [batch] int64: request i owns drafts [cu[i-1], cu[i])
+    cu_num_draft_tokens: torch.Tensor
+    # [num_draft_tokens, vocab] float32 q, or None when every draft is one-hot; rows of greedy
+    # requests are never read (left unset)
+    draft_probs: torch.Tensor | None
+    # the largest k in the batch
+    max_num_draft_tokens: int
+    # per-request temperature, top-k, top-p, seeds and the rest, as tensors
+    sampling_metadata: SamplingMetadata
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.logits_indices)
+
+    @classmethod
+    def build(cls, scheduled: list[ScheduledRequest], device: torch.device) -> StepLayout:
+        token_starts = [0]
+        sampling: list[ScheduledRequest] = []
+        logits_starts: list[int] = []
+        logits_indices: list[int] = []
+        draft_token_ids: list[int] = []
+        num_drafts: list[int] = []
+        for item in scheduled:
+            end = token_starts[-1] + item.num_new_tokens
+            token_starts.append(end)
+            if not item.is_sampling:
+                continue
+            k = item.num_draft_tokens
+            sampling.append(item)
+            logits_starts.append(len(logits_indices))
+            logits_indices += range(end - 1 - k, end)
+            draft_token_ids += item.draft_token_ids
+            num_drafts.append(k)
+        logits_indices_t, draft_token_ids_t, cu_num_draft_tokens = to_device(
+            [logits_indices, draft_token_ids, list(accumulate(num_drafts))], torch.int64, device)
+        return cls(
+            token_starts=token_starts,
+            sampling=sampling,
+            logits_starts=logits_starts,
+            logits_indices=logits_indices_t,
+            draft_token_ids=draft_token_ids_t,
+            cu_num_draft_tokens=cu_num_draft_tokens,
+            draft_probs=_draft_probs(sampling, len(draft_token_ids), device),
+            max_num_draft_tokens=max(num_drafts, default=0),
+            sampling_metadata=SamplingMetadata.build(
+                [item.request for item in sampling], num_drafts, logits_starts, device),
+        )
+
+    def rows_of(self, index: int) -> range:
+        """Logits rows of sampling request `index`: its 1 + k rows."""
+        start = self.logits_starts[index]
+        return range(start, start + self.sampling[index].num_draft_tokens + 1)
+
+
+def _draft_probs(items: list[ScheduledRequest], num_draft_tokens: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """[num_draft_tokens, vocab] q of every draft, or None when no proposer gave one."""
+    given = [item.draft_probs for item in items if item.draft_probs is not None]
+    if not given:
+        return None
+    probs = torch.empty(num_draft_tokens, given[0].shape[-1], dtype=torch.float32, device=device)
+    start = 0
+    for item in items:
+        k = item.num_draft_tokens
+        if item.draft_probs is not None:
+            probs[start:start + k] = item.draft_probs
+        elif k and not item.request.params.is_greedy:
+            # NOTE: a random request without q beside requests with one (no proposer mixes them)
+            rows = probs[start:start + k].zero_()
+            rows[torch.arange(k), torch.tensor(item.draft_token_ids, dtype=torch.int64)] = 1.0
+        start += k
+    return probs
