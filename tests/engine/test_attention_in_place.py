@@ -1,5 +1,6 @@
-"""A lone sequence with consecutive blocks is attended in place (a view of the cache), and gives
-bit for bit what the gathered copy gives, for decode, verification rows and prefill chunks."""
+"""On the torch path, a lone sequence with consecutive blocks is attended in place (a view of
+the cache), and gives bit for bit what the gathered copy gives, for decode, verification rows and
+prefill chunks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.attention import build_attention_metadata, paged_attention
+from engine.attention import build_attention_metadata, torch_paged_attention
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 16, 4, 32
 
@@ -29,8 +30,8 @@ def test_in_place_equals_the_gather(dtype, table, query_len, seq_len):
                                     torch.device("cpu"))
     assert meta.first_block == table[0]
     gathered = dataclasses.replace(meta, first_block=None)
-    in_place = paged_attention(query, cache, meta, HEAD_DIM**-0.5)
-    assert torch.equal(in_place, paged_attention(query, cache, gathered, HEAD_DIM**-0.5))
+    in_place = torch_paged_attention(query, cache, meta, HEAD_DIM**-0.5)
+    assert torch.equal(in_place, torch_paged_attention(query, cache, gathered, HEAD_DIM**-0.5))
 
 
 @pytest.mark.parametrize("tables", [[[4, 9, 5]], [[2, 1]], [[0, 1], [2, 3]]])

@@ -1,0 +1,510 @@
+// Paged attention on the CPU: every query row reads its sequence's K/V blocks where they lie in the
+// cache, with no padded copy of the context and no mask (engine/attention.py: the torch reference).
+//
+//   query                   [num_tokens, num_heads, head_dim] float32
+//   key_cache, value_cache  [num_kv_heads, num_blocks, block_size, head_dim] (kv_cache[0], [1])
+//   block_tables            [num_seqs, max_num_blocks] int32
+//   seq_lens                [num_seqs] int32: tokens of context after this step
+//   cu_num_query_tokens     [num_seqs + 1] int32: sequence i's rows are [cu[i], cu[i+1]) of
+//                           `query`, at positions seq_len - query_len ... seq_len - 1
+//   returns                 [num_tokens, num_heads * head_dim] float32
+//
+// Batch invariance: one (sequence, row, head) output comes from the same float operations in the
+// same order whatever else the batch holds and however rows, heads and sequences are split into
+// work items and across threads. A row walks its keys block by block (the cache's own blocks: the
+// partition is a property of the sequence) with an online softmax in float32 (running max, sum,
+// accumulator), and each score is one fixed-order dot product. So its bits depend neither on the
+// batch, nor on how many rows its sequence brings (decode, 1 + k verification rows, a prefill
+// chunk), nor on the thread count, nor on the register blocking (AVX2 or AVX-512VL builds agree).
+//
+// GQA: a row's query heads that share a kv head are computed together, up to kMaxHeads at a time,
+// so each K and V row is loaded once for all of them.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kRowsPerTile = 16;    // rows of one sequence in a work item: they share block reads
+constexpr int kMaxHeads = 3;        // query heads computed together (16 AVX2 registers hold 3)
+constexpr int kPrefetchAhead = 2;   // blocks requested ahead of the one being computed
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+struct Problem {
+  const float* query;                  // [num_tokens, num_heads, head_dim]
+  const float* key_cache;              // [num_kv_heads, num_blocks, block_size, head_dim]
+  const float* value_cache;            // [num_kv_heads, num_blocks, block_size, head_dim]
+  const int32_t* block_tables;         // [num_seqs, table_stride]
+  const int32_t* seq_lens;             // [num_seqs]
+  const int32_t* cu_num_query_tokens;  // [num_seqs + 1]
+  float* out;                          // [num_tokens, num_heads, head_dim]
+  int64_t table_stride, num_blocks;
+  int num_heads, num_kv_heads, head_dim, block_size, sliding_window;
+  float scale;
+};
+
+// One unit of parallel work: some rows of one sequence against one kv head, for some of the query
+// heads of that kv head.
+struct WorkItem {
+  int32_t seq, kv_head, first_row, num_rows, first_head, num_heads;
+  int64_t cost;  // ~ query vectors x keys, for scheduling only
+};
+
+// A work item's online-softmax state per query vector i = row * num_heads + head: the running
+// max, the running sum in 8 lanes (lane = key index mod 8), the output accumulator; and the scores
+// of one block, per head.
+struct Scratch {
+  std::vector<float> running_max, sum_lanes, acc, scores;
+  int score_stride = 0;  // floats per head in `scores`
+};
+
+#ifdef __AVX2__
+
+// Register blocking: keys per score group and 8-float vectors of head_dim per accumulator chunk,
+// sized for 32 vector registers with AVX-512VL and 16 without. Neither changes a result bit.
+#ifdef __AVX512VL__
+constexpr int kKeysPerGroup = 8;
+constexpr int kAccVectors = 8;
+#else
+constexpr int kKeysPerGroup = 4;
+constexpr int kAccVectors = 4;
+#endif
+
+// Ask for the rows of a later block while this one is computed: blocks are scattered, so the
+// hardware prefetchers cannot see the next one coming. Spread over the block's work (a few rows
+// at a time), the requests never pile up; _MM_HINT_T1 measured 2x faster than T0 here.
+inline void prefetch_rows(const float* rows, int64_t num_floats) {
+  for (int64_t i = 0; i < num_floats; i += 16) {  // one 64-byte line each
+    _mm_prefetch(reinterpret_cast<const char*>(rows + i), _MM_HINT_T1);
+  }
+}
+
+// exp for x <= 0 (scores minus their running max), Cephes' polynomial; exp(0) is exactly 1.
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // keeps 2^n a normal float
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i pow2n =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+// out[l] = scale * (lane sum of a[l]) for l < kKeys, where a lane sum is
+// ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)): the same formula for 4 and 8 keys.
+template <int kKeys>
+inline void store_lane_sums(float* out, const __m256* a, float scale) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  if constexpr (kKeys == 4) {
+    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(u0), _mm256_extractf128_ps(u0, 1));
+    _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+  } else {
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                                      _mm256_permute2f128_ps(u0, u1, 0x31));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+  }
+}
+
+// scores[h][j] = scale * q_h . k_j for the key groups that cover [begin, end) of a block. Each
+// score is one 8-lane FMA chain over head_dim, then store_lane_sums: its bits depend on q_h and k_j
+// only. Lanes past the block's end read key 0 (valid memory) and are never used.
+template <int kHeadDim, int kHeads>
+inline void block_scores(const float* const* q, const float* keys, const Problem& p, int begin,
+                         int end, float* scores, int score_stride, const float* next_keys) {
+  constexpr int G = kKeysPerGroup;
+  const int D = kHeadDim ? kHeadDim : p.head_dim;
+  for (int group = begin & ~(G - 1); group < end; group += G) {
+    if (next_keys != nullptr && group + G <= p.block_size) {
+      prefetch_rows(next_keys + static_cast<int64_t>(group) * D, G * D);
+    }
+    const float* k[G];
+    for (int l = 0; l < G; ++l) {
+      k[l] = keys + (group + l < p.block_size ? static_cast<int64_t>(group + l) * D : 0);
+    }
+    __m256 acc[kHeads][G];
+    for (int h = 0; h < kHeads; ++h) {
+      for (int l = 0; l < G; ++l) acc[h][l] = _mm256_setzero_ps();
+    }
+    for (int d = 0; d < D; d += 8) {
+      __m256 qv[kHeads];
+      for (int h = 0; h < kHeads; ++h) qv[h] = _mm256_loadu_ps(q[h] + d);
+      for (int l = 0; l < G; ++l) {
+        const __m256 kv = _mm256_loadu_ps(k[l] + d);
+        for (int h = 0; h < kHeads; ++h) acc[h][l] = _mm256_fmadd_ps(qv[h], kv, acc[h][l]);
+      }
+    }
+    for (int h = 0; h < kHeads; ++h) {
+      store_lane_sums<G>(scores + h * score_stride + group, acc[h], p.scale);
+    }
+  }
+}
+
+// One head's online-softmax bookkeeping for keys [begin, end) of a block, whose scores are in
+// `scores`: turns them into p = exp(score - new max), adds p to the 8-lane running sum (the order
+// of the additions is a property of the sequence), and returns alpha = exp(old max - new max),
+// which rescales everything summed before.
+inline float softmax_block(float* scores, int begin, int end, float& running_max,
+                           float* sum_lanes) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 minus_inf = _mm256_set1_ps(kMinusInf);
+  auto valid = [&](int group) {  // lanes of the 8-key group inside [begin, end)
+    const __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32(group));
+    return _mm256_castsi256_ps(
+        _mm256_and_si256(_mm256_cmpgt_epi32(key, _mm256_set1_epi32(begin - 1)),
+                         _mm256_cmpgt_epi32(_mm256_set1_epi32(end), key)));
+  };
+  __m256 block_max = minus_inf;
+  for (int group = begin & ~7; group < end; group += 8) {
+    block_max = _mm256_max_ps(
+        block_max, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(scores + group), valid(group)));
+  }
+  __m128 max4 =
+      _mm_max_ps(_mm256_castps256_ps128(block_max), _mm256_extractf128_ps(block_max, 1));
+  max4 = _mm_max_ps(max4, _mm_movehl_ps(max4, max4));
+  max4 = _mm_max_ss(max4, _mm_shuffle_ps(max4, max4, 1));
+  const float new_max = std::max(running_max, _mm_cvtss_f32(max4));
+  // NOTE: the first block starts from acc = 0, sum = 0: alpha = 0 there (running_max is -inf);
+  // an unchanged max gives exactly exp(0) = 1 without the call
+  const float alpha = running_max == kMinusInf ? 0.0f
+                      : running_max == new_max ? 1.0f
+                                               : std::exp(running_max - new_max);
+  running_max = new_max;
+  const __m256 shift = _mm256_set1_ps(new_max);
+  __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(sum_lanes), _mm256_set1_ps(alpha));
+  for (int group = begin & ~7; group < end; group += 8) {
+    // NOTE: lanes outside [begin, end) may hold anything (keys past the context): blend them to
+    // zero, never multiply
+    const __m256 prob = _mm256_blendv_ps(
+        _mm256_setzero_ps(),
+        exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + group), shift)), valid(group));
+    _mm256_storeu_ps(scores + group, prob);
+    sum = _mm256_add_ps(sum, prob);
+  }
+  _mm256_storeu_ps(sum_lanes, sum);
+  return alpha;
+}
+
+inline float finish_sum(const float* sum_lanes) {
+  const __m256 v = _mm256_loadu_ps(sum_lanes);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+// acc_h[d] = acc_h[d] * alpha_h, then acc_h[d] += p_h[j] * v_j[d] for j in order, for kVectors x 8
+// floats of head_dim kept in registers across the keys. The arithmetic of one element depends
+// neither on the chunking nor on kHeads.
+template <int kVectors, int kHeads>
+inline void accumulate_chunk(float* const* acc, const float* values, int64_t row_stride,
+                             const float* prob, int score_stride, int begin, int end,
+                             const float* alpha, const float* next_values) {
+  __m256 a[kHeads][kVectors];
+  for (int h = 0; h < kHeads; ++h) {
+    const __m256 scale = _mm256_set1_ps(alpha[h]);
+    for (int c = 0; c < kVectors; ++c) {
+      a[h][c] = _mm256_mul_ps(_mm256_loadu_ps(acc[h] + 8 * c), scale);
+    }
+  }
+  for (int j = begin; j < end; ++j) {
+    __m256 weight[kHeads];
+    for (int h = 0; h < kHeads; ++h) weight[h] = _mm256_set1_ps(prob[h * score_stride + j]);
+    const float* v = values + j * row_stride;
+    if (next_values != nullptr) prefetch_rows(next_values + j * row_stride, 8 * kVectors);
+    for (int c = 0; c < kVectors; ++c) {
+      const __m256 vv = _mm256_loadu_ps(v + 8 * c);
+      for (int h = 0; h < kHeads; ++h) a[h][c] = _mm256_fmadd_ps(weight[h], vv, a[h][c]);
+    }
+  }
+  for (int h = 0; h < kHeads; ++h) {
+    for (int c = 0; c < kVectors; ++c) _mm256_storeu_ps(acc[h] + 8 * c, a[h][c]);
+  }
+}
+
+template <int kHeadDim, int kHeads>
+inline void block_accumulate(float* const* acc, const float* values, const Problem& p,
+                             const float* prob, int score_stride, int begin, int end,
+                             const float* alpha, const float* next_values) {
+  const int D = kHeadDim ? kHeadDim : p.head_dim;
+  float* chunk[kHeads];
+  int d = 0;
+  for (; d + 8 * kAccVectors <= D; d += 8 * kAccVectors) {
+    for (int h = 0; h < kHeads; ++h) chunk[h] = acc[h] + d;
+    accumulate_chunk<kAccVectors, kHeads>(chunk, values + d, D, prob, score_stride, begin, end,
+                                          alpha, next_values ? next_values + d : nullptr);
+  }
+  for (; d < D; d += 8) {
+    for (int h = 0; h < kHeads; ++h) chunk[h] = acc[h] + d;
+    accumulate_chunk<1, kHeads>(chunk, values + d, D, prob, score_stride, begin, end, alpha,
+                                next_values ? next_values + d : nullptr);
+  }
+}
+
+constexpr bool kVectorized = true;
+
+#else  // scalar fallback: the same algorithm, one float at a time
+
+template <int kHeadDim, int kHeads>
+inline void block_scores(const float* const* q, const float* keys, const Problem& p, int begin,
+                         int end, float* scores, int score_stride, const float* /*next_keys*/) {
+  for (int h = 0; h < kHeads; ++h) {
+    for (int j = begin; j < end; ++j) {
+      const float* k = keys + static_cast<int64_t>(j) * p.head_dim;
+      float s = 0.0f;
+      for (int d = 0; d < p.head_dim; ++d) s += q[h][d] * k[d];
+      scores[h * score_stride + j] = s * p.scale;
+    }
+  }
+}
+
+inline float softmax_block(float* scores, int begin, int end, float& running_max,
+                           float* sum_lanes) {
+  float new_max = running_max;
+  for (int j = begin; j < end; ++j) new_max = std::max(new_max, scores[j]);
+  const float alpha = running_max == kMinusInf ? 0.0f : std::exp(running_max - new_max);
+  running_max = new_max;
+  sum_lanes[0] *= alpha;
+  for (int j = begin; j < end; ++j) {
+    scores[j] = std::exp(scores[j] - new_max);
+    sum_lanes[0] += scores[j];
+  }
+  return alpha;
+}
+
+inline float finish_sum(const float* sum_lanes) { return sum_lanes[0]; }
+
+template <int kHeadDim, int kHeads>
+inline void block_accumulate(float* const* acc, const float* values, const Problem& p,
+                             const float* prob, int score_stride, int begin, int end,
+                             const float* alpha, const float* /*next_values*/) {
+  for (int h = 0; h < kHeads; ++h) {
+    for (int d = 0; d < p.head_dim; ++d) acc[h][d] *= alpha[h];
+    for (int j = begin; j < end; ++j) {
+      const float* v = values + static_cast<int64_t>(j) * p.head_dim;
+      for (int d = 0; d < p.head_dim; ++d) acc[h][d] += prob[h * score_stride + j] * v[d];
+    }
+  }
+}
+
+inline void prefetch_rows(const float*, int64_t) {}
+
+constexpr bool kVectorized = false;
+
+#endif
+
+// One row's online-softmax update with keys [begin, end) of a block, for kHeads query heads at
+// once; `first` indexes the heads' state in `scratch`.
+template <int kHeadDim, int kHeads>
+inline void attend_block(const float* const* q, const float* keys, const float* values,
+                         const Problem& p, int begin, int end, Scratch& scratch, int first,
+                         const float* next_keys, const float* next_values) {
+  const int D = kHeadDim ? kHeadDim : p.head_dim;
+  float* scores = scratch.scores.data();
+  block_scores<kHeadDim, kHeads>(q, keys, p, begin, end, scores, scratch.score_stride, next_keys);
+  float alpha[kHeads];
+  float* acc[kHeads];
+  for (int h = 0; h < kHeads; ++h) {
+    alpha[h] = softmax_block(scores + h * scratch.score_stride, begin, end,
+                             scratch.running_max[first + h],
+                             scratch.sum_lanes.data() + 8 * (first + h));
+    acc[h] = scratch.acc.data() + static_cast<int64_t>(first + h) * D;
+  }
+  block_accumulate<kHeadDim, kHeads>(acc, values, p, scores, scratch.score_stride, begin, end,
+                                     alpha, next_values);
+}
+
+template <int kHeadDim>
+void run_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
+  const int D = kHeadDim ? kHeadDim : p.head_dim;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int seq_len = p.seq_lens[item.seq];
+  const int first_token = p.cu_num_query_tokens[item.seq];
+  const int query_len = p.cu_num_query_tokens[item.seq + 1] - first_token;
+  const int first_pos = seq_len - query_len + item.first_row;  // position of the item's first row
+  const int last_pos = first_pos + item.num_rows - 1;
+  auto window_start = [&](int pos) {
+    return p.sliding_window > 0 ? std::max(0, pos - p.sliding_window + 1) : 0;
+  };
+  const int num_vectors = item.num_rows * item.num_heads;
+  scratch.running_max.assign(num_vectors, kMinusInf);
+  scratch.sum_lanes.assign(8 * num_vectors, 0.0f);
+  scratch.acc.assign(static_cast<size_t>(num_vectors) * D, 0.0f);
+  scratch.score_stride = (p.block_size + 7) / 8 * 8 + 8;  // whole 8-key groups, with room
+  scratch.scores.resize(static_cast<size_t>(kMaxHeads) * scratch.score_stride);
+
+  const int32_t* table = p.block_tables + item.seq * p.table_stride;
+  const int64_t block_elems = static_cast<int64_t>(p.block_size) * D;
+  const int64_t head_offset = static_cast<int64_t>(item.kv_head) * p.num_blocks * block_elems;
+  auto block_offset = [&](int b) { return head_offset + table[b] * block_elems; };
+  const int first_block = window_start(first_pos) / p.block_size;
+  const int last_block = last_pos / p.block_size;
+  for (int ahead = 1; ahead < kPrefetchAhead && first_block + ahead <= last_block; ++ahead) {
+    prefetch_rows(p.key_cache + block_offset(first_block + ahead), block_elems);
+    prefetch_rows(p.value_cache + block_offset(first_block + ahead), block_elems);
+  }
+  for (int b = first_block; b <= last_block; ++b) {
+    const float* keys = p.key_cache + block_offset(b);      // [block_size, head_dim]
+    const float* values = p.value_cache + block_offset(b);  // [block_size, head_dim]
+    // block b + kPrefetchAhead is requested a few rows at a time, during the first heads' work
+    const bool prefetch = b + kPrefetchAhead <= last_block;
+    const float* next_keys = prefetch ? p.key_cache + block_offset(b + kPrefetchAhead) : nullptr;
+    const float* next_values =
+        prefetch ? p.value_cache + block_offset(b + kPrefetchAhead) : nullptr;
+    const int block_start = b * p.block_size;
+    for (int r = 0; r < item.num_rows; ++r) {
+      const int pos = first_pos + r;
+      const int begin = std::max(window_start(pos), block_start) - block_start;
+      const int end = std::min(pos + 1, block_start + p.block_size) - block_start;
+      if (begin >= end) continue;
+      const int64_t token = first_token + item.first_row + r;
+      for (int h = 0; h < item.num_heads; h += kMaxHeads) {
+        const int num_heads = std::min(kMaxHeads, item.num_heads - h);
+        const float* q[kMaxHeads];
+        for (int i = 0; i < num_heads; ++i) {
+          const int head = item.kv_head * group + item.first_head + h + i;
+          q[i] = p.query + (token * p.num_heads + head) * D;
+        }
+        const int first = r * item.num_heads + h;
+        if (num_heads == 3) {
+          attend_block<kHeadDim, 3>(q, keys, values, p, begin, end, scratch, first, next_keys,
+                                    next_values);
+        } else if (num_heads == 2) {
+          attend_block<kHeadDim, 2>(q, keys, values, p, begin, end, scratch, first, next_keys,
+                                    next_values);
+        } else {
+          attend_block<kHeadDim, 1>(q, keys, values, p, begin, end, scratch, first, next_keys,
+                                    next_values);
+        }
+        next_keys = next_values = nullptr;  // requested once per block
+      }
+    }
+  }
+  for (int r = 0; r < item.num_rows; ++r) {
+    const int64_t token = first_token + item.first_row + r;
+    for (int h = 0; h < item.num_heads; ++h) {
+      const int head = item.kv_head * group + item.first_head + h;
+      const int i = r * item.num_heads + h;
+      const float* acc = scratch.acc.data() + static_cast<int64_t>(i) * D;
+      float* out = p.out + (token * p.num_heads + head) * D;
+      const float sum = finish_sum(scratch.sum_lanes.data() + 8 * i);
+      for (int d = 0; d < D; ++d) out[d] = acc[d] / sum;
+    }
+  }
+}
+
+void run_item_dispatch(const Problem& p, const WorkItem& item, Scratch& scratch) {
+  if (kVectorized && p.head_dim == 64) return run_item<64>(p, item, scratch);
+  if (kVectorized && p.head_dim == 128) return run_item<128>(p, item, scratch);
+  run_item<0>(p, item, scratch);
+}
+
+// Tiles of rows per (sequence, kv head); when that leaves too few items to keep every thread busy
+// (a lone decoding sequence), each query head becomes an item of its own. Largest first, for the
+// shared queue.
+std::vector<WorkItem> plan_work(const Problem& p, int num_seqs, int num_threads) {
+  const int group = p.num_heads / p.num_kv_heads;
+  std::vector<WorkItem> items;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int query_len = p.cu_num_query_tokens[s + 1] - p.cu_num_query_tokens[s];
+    const int64_t context = p.sliding_window > 0 ? std::min(p.seq_lens[s], p.sliding_window)
+                                                 : p.seq_lens[s];
+    for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+      for (int row = 0; row < query_len; row += kRowsPerTile) {
+        const int num_rows = std::min(kRowsPerTile, query_len - row);
+        items.push_back({s, kv_head, row, num_rows, 0, group, num_rows * group * context});
+      }
+    }
+  }
+  if (group > 1 && num_threads > 1 && static_cast<int64_t>(items.size()) < 4 * num_threads) {
+    std::vector<WorkItem> split;
+    for (const WorkItem& item : items) {
+      for (int h = 0; h < group; ++h) {
+        split.push_back({item.seq, item.kv_head, item.first_row, item.num_rows, h, 1,
+                         item.cost / group});
+      }
+    }
+    items.swap(split);
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  return items;
+}
+
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& cu_num_query_tokens,
+                           double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
+              "query [T, H, D] and caches [kvH, blocks, block_size, D] expected");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
+                  value_cache.scalar_type() == at::kFloat,
+              "float32 query and caches expected");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous() &&
+                  cu_num_query_tokens.is_contiguous(),
+              "contiguous tensors expected");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  cu_num_query_tokens.scalar_type() == at::kInt,
+              "int32 metadata expected");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  const int num_seqs = static_cast<int>(seq_lens.size(0));
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                  cu_num_query_tokens.numel() == num_seqs + 1,
+              "metadata sizes disagree");
+  const int num_heads = static_cast<int>(query.size(1));
+  const int num_kv_heads = static_cast<int>(key_cache.size(0));
+  const int head_dim = static_cast<int>(query.size(2));
+  TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
+              "head shapes disagree");
+  TORCH_CHECK(!kVectorized || head_dim % 8 == 0, "head_dim must be a multiple of 8");
+
+  at::Tensor out = at::empty({query.size(0), num_heads * head_dim}, query.options());
+  Problem p{query.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
+            block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
+            cu_num_query_tokens.data_ptr<int32_t>(), out.data_ptr<float>(),
+            block_tables.size(1), key_cache.size(1), num_heads, num_kv_heads, head_dim,
+            static_cast<int>(key_cache.size(2)), static_cast<int>(sliding_window),
+            static_cast<float>(scale)};
+  const int num_threads = at::get_num_threads();
+  const std::vector<WorkItem> items = plan_work(p, num_seqs, num_threads);
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};  // a shared queue: items differ too much in cost for a static split
+  at::parallel_for(0, std::min<int64_t>(num_threads, num_items), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
+      run_item_dispatch(p, items[i], scratch);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def(
+      "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor cu_num_query_tokens, float scale, int sliding_window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specserve, CPU, m) { m.impl("paged_attention", &paged_attention); }

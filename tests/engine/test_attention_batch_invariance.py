@@ -1,0 +1,48 @@
+"""End to end on the real embedded model in float32 (the CPU attention kernel's path): a request's
+greedy tokens and logprobs are the same alone, in a batch, and (tokens) with speculation, whose
+1 + k verification rows are attended exactly as the decode rows they replace."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from kernels.paged_attention_cpu import paged_attention_cpu_available
+
+pytestmark = pytest.mark.skipif(not paged_attention_cpu_available(),
+                                reason="no C++ compiler, or SPECSERVE_CPU_KERNELS=0")
+CONVERSATIONS = [
+    "Count from 1 to 30, separated by commas.",
+    "Copy this sentence word for word: the old lighthouse stood at the edge of the cliff, its "
+    "white paint peeling in the salty wind.",
+    "Name three colours.",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(None, dtype="float32", num_threads=2, max_model_len=256)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm) -> list[dict]:
+    return [{"prompt_token_ids": llm.tokenizer.encode(
+        llm.apply_chat_template([{"role": "user", "content": c}]), add_special_tokens=False)}
+        for c in CONVERSATIONS]
+
+
+def test_a_request_alone_equals_it_in_a_batch(llm, prompts):
+    assert llm.engine.worker.device.type == "cpu"
+    batched = [o.outputs[0] for o in llm.generate(prompts, GREEDY)]
+    for prompt, in_batch in zip(prompts, batched):
+        alone = llm.generate(prompt, GREEDY)[0].outputs[0]
+        assert alone.token_ids == in_batch.token_ids
+        assert alone.logprobs == in_batch.logprobs  # bit for bit, not merely the same argmax
+
+
+def test_speculation_keeps_the_tokens(llm, prompts):
+    speculative = LLM(None, dtype="float32", num_threads=2, max_model_len=256,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert [o.outputs[0].token_ids for o in speculative.generate(prompts, GREEDY)] == plain
