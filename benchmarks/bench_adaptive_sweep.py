@@ -23,9 +23,10 @@ from loadtest.cli import main as loadtest_main
 TOLERANCE = 0.05
 
 
-def spec_json(k: int, adaptive: bool) -> str:
-    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-              "prompt_lookup_max": 4}
+def spec_json(method: str, k: int, adaptive: bool) -> str:
+    config = {"method": method, "num_speculative_tokens": k}
+    if method == "ngram":
+        config.update(prompt_lookup_min=2, prompt_lookup_max=4)
     if adaptive:
         config["adaptive"] = True
     return json.dumps(config)
@@ -75,15 +76,17 @@ def main() -> None:
     parser.add_argument("--qps", nargs="+", default=["0.05", "0.2", "1"])
     parser.add_argument("--num-requests", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=4, help="k of the fixed run; adaptive's largest")
+    parser.add_argument("--method", choices=["suffix", "ngram"], default="suffix",
+                        help="the proposer of the fixed and adaptive runs (default: the server's)")
+    parser.add_argument("--k", type=int, default=8, help="k of the fixed run; adaptive's largest")
     parser.add_argument("--duration", type=float, default=240.0, help="seconds per run at most")
     parser.add_argument("--result-json", default=None)
     parser.add_argument("--plot-dir", default=None)
     parser.add_argument("--serve-args", default="--num-threads 1")
     args = parser.parse_args()
     result = args.result_json or os.path.join(tempfile.mkdtemp(), "sweep.json")
-    argv = ["--compare", "none", f"fixed={spec_json(args.k, False)}",
-            f"adaptive={spec_json(args.k, True)}", "--dataset", "workloads", "--ignore-eos",
+    argv = ["--compare", "none", f"fixed={spec_json(args.method, args.k, False)}",
+            f"adaptive={spec_json(args.method, args.k, True)}", "--dataset", "workloads", "--ignore-eos",
             "--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens),
             "--duration", str(args.duration), "--qps", *args.qps, "--result-json", result,
             f"--serve-args={args.serve_args}"]

@@ -141,15 +141,25 @@ class EngineCore:
             return []
         k = self.speculative_config.num_speculative_tokens
         caps = [self.scheduler.draft_budget(r, k) for r in requests]
-        if self.adaptive is not None:
-            caps = self.adaptive.choose(
-                requests, caps, self.scheduler.num_prefill_tokens_next_step(len(requests)))
         target_hidden = hidden[torch.tensor([row_of[r.request_id] for r in requests],
                                             device=hidden.device)]
-        proposals = self.proposer.propose(requests, caps, target_hidden)
+        if self.adaptive is None:
+            proposals = self.proposer.propose(requests, caps, target_hidden)
+        elif self.proposer.drafts_for_free:
+            # draft first: the policy then weighs the drafts that exist, and trims them
+            proposals = self.proposer.propose(requests, caps, target_hidden)
+            caps = self._choose_ks(requests, [len(p.token_ids) for p in proposals])
+            proposals = [p.first(cap) for p, cap in zip(proposals, caps)]
+        else:
+            caps = self._choose_ks(requests, caps)
+            proposals = self.proposer.propose(requests, caps, target_hidden)
         self.scheduler.update_draft_token_ids(
             DraftTokens({r.request_id: p for r, p in zip(requests, proposals)}))
         return [DraftChoice(r, cap) for r, cap in zip(requests, caps)]
+
+    def _choose_ks(self, requests: list[Request], caps: list[int]) -> list[int]:
+        return self.adaptive.choose(requests, caps,
+                                    self.scheduler.num_prefill_tokens_next_step(len(requests)))
 
     def _account(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
                  choices: list[DraftChoice], start: float, verified: float,

@@ -23,6 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 METHODS = ("ngram", "draft_model", "eagle", "mlp_speculator", "suffix")
+# what `specserve serve` speculates with unless told otherwise ("none" turns it off): suffix drafts
+# cost nothing and need no second model, and adaptive k backs off where drafts do not pay (a busy
+# batch, text it cannot guess), so it is never much slower than plain decoding (docs/perf.md)
+DEFAULT_SERVE_SPECULATIVE_CONFIG = '{"method": "suffix", "num_speculative_tokens": 8, "adaptive": true}'
 MAX_SPECULATIVE_TOKENS = 16
 # suffix trees cost O(depth) per committed token in Python: deeper buys little and costs every step
 MAX_SUFFIX_DEPTH = 64

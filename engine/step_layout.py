@@ -34,6 +34,12 @@ class DraftProposal:
     # is deterministic (n-gram, suffix): the rejection sampler then treats q as one-hot
     probs: torch.Tensor | None = None
 
+    def first(self, k: int) -> DraftProposal:
+        """The draft's first k tokens (a prefix of a draft is a draft)."""
+        if k >= len(self.token_ids):
+            return self
+        return DraftProposal(self.token_ids[:k], None if self.probs is None else self.probs[:k])
+
 
 @dataclass
 class DraftTokens:

@@ -66,9 +66,9 @@ def serve_command(config: ServerConfig, port: int, serve_args: list[str]) -> lis
     """`specserve serve` for one configuration, bound to loopback only."""
     command = [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port)]
-    if config.speculative_config is not None:
-        command += ["--speculative-config", json.dumps(config.speculative_config)]
-    return command + serve_args
+    # NOTE: "none" spelled out: the server speculates unless told not to
+    spec = "none" if config.speculative_config is None else json.dumps(config.speculative_config)
+    return command + ["--speculative-config", spec] + serve_args
 
 
 def free_loopback_port() -> int:

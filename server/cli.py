@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_parser(commands) -> None:
+    from engine.spec_config import DEFAULT_SERVE_SPECULATIVE_CONFIG
+
     serve = commands.add_parser("serve", help="serve the OpenAI API (default: the embedded model)")
     serve.add_argument("--model", default=None,
                        help="local Hugging Face folder or .gguf file (default: embedded SmolLM2-135M)")
@@ -51,9 +53,9 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--api-key", default=None,
                        help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV}; "
                             f"neither set: no key is asked for; set but empty: refused)")
-    serve.add_argument("--speculative-config", default=None,
+    serve.add_argument("--speculative-config", default=DEFAULT_SERVE_SPECULATIVE_CONFIG,
                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'; '
-                            '"none" turns speculation off')
+                            '"none" turns speculation off (default: %(default)s)')
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     serve.add_argument("--max-model-len", type=int, default=None)

@@ -9,10 +9,11 @@ rejected (later positions were never tested). Draft j is then emitted with proba
 a_1 · a_2 · … · a_j, which is what the policy weighs against the cost of its row. Counts decay, so
 the estimates follow the request as its text changes (prose, then code, then a quoted passage).
 
-Each a_j is shrunk toward a_(j-1), the request's own estimate one position up (a_1 toward the
-engine's): a position never tested yet is assumed as good as the one before it, so a request whose
-one-token probes all pass is tried deeper, and the geometric model (every a_j equal) is where the
-estimates start.
+A request's a_j is shrunk toward the engine's a_j, which pools every request's verifications over a
+longer memory: deep positions are tested only after every earlier draft was kept, so one request
+sees them rarely, while the engine learns that copied passages hold once they start (a_1 low, a_2 ..
+high). The engine's own a_j is shrunk toward its a_(j-1): a position never tested yet is assumed as
+good as the one before it, and the geometric model (every a_j equal) is where the estimates start.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class _PositionCounts:
         if num_accepted < num_draft_tokens:
             self.rejected[min(num_accepted, MAX_POSITIONS - 1)] += 1.0
 
+    def estimate_toward(self, prior: np.ndarray, prior_weight: float) -> np.ndarray:
+        """[MAX_POSITIONS] a_j = (accepted_j + w prior_j) / (tested_j + w)."""
+        tested = self.accepted + self.rejected + prior_weight
+        return np.minimum((self.accepted + prior_weight * prior) / tested, MAX_ACCEPTANCE)
+
     def estimate(self, first_prior: float, prior_weight: float) -> np.ndarray:
         """[MAX_POSITIONS] a_j = (accepted_j + w a_(j-1)) / (tested_j + w), with a_0 = first_prior.
 
@@ -74,7 +80,7 @@ class AcceptanceTracker:
         """[MAX_POSITIONS] a_j for the request: its own recent verifications over the engine's."""
         prior = self.engine_acceptance
         counts = self._requests.get(request_id)
-        return prior if counts is None else counts.estimate(float(prior[0]), PRIOR_WEIGHT)
+        return prior if counts is None else counts.estimate_toward(prior, PRIOR_WEIGHT)
 
     def emission_chances(self, request_id: str, depth: int) -> np.ndarray:
         """[depth]: the chance that draft j (1-based) is accepted, a_1 · … · a_j; non-increasing."""

@@ -118,7 +118,9 @@ class AdaptiveSpeculation:
         return chosen
 
     def _probe(self, request_id: str, cap: int, k: int) -> int:
-        if k > 0 or cap == 0:
+        if cap == 0:  # it could not draft (budget spent, or a proposer with nothing to offer)
+            return 0
+        if k > 0:
             self._steps_without_drafts.pop(request_id, None)
             return k
         waited = self._steps_without_drafts.get(request_id, 0) + 1

@@ -18,6 +18,10 @@ class Proposer(ABC):
     # True for proposers that read the target's features at every committed position (EAGLE): the
     # engine then hands them over through record_target_hidden after each step
     needs_committed_hidden: bool = False
+    # True for proposers whose drafting costs next to nothing beside a target pass (n-gram, suffix):
+    # adaptive speculation then lets them draft to the full budget and trims what it will not verify,
+    # so it weighs drafts that exist instead of positions the proposer might not fill
+    drafts_for_free: bool = False
 
     @abstractmethod
     def propose(self, requests: list[Request], max_num_tokens: list[int],

@@ -29,6 +29,8 @@ def lookup_continuation(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> l
 
 
 class NgramProposer(Proposer):
+    drafts_for_free = True
+
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 

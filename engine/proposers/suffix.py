@@ -29,6 +29,8 @@ class SuffixProposer(Proposer):
     tree when its matches draft poorly); never O(context). `free` caches the output at
     O(max_depth) per token."""
 
+    drafts_for_free = True
+
     def __init__(self, max_depth: int, max_cached_tokens: int, min_token_prob: float,
                  factor: float, is_cache_shared_across_tenants: bool = False) -> None:
         self.max_depth = max_depth

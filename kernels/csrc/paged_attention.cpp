@@ -11,9 +11,9 @@
 //
 // Batch invariance: one (sequence, row, head) output comes from the same float operations in the
 // same order whatever else the batch holds and however rows, heads and sequences are split into
-// work items and across threads. A row walks its keys block by block (the cache's own blocks: the
-// partition is a property of the sequence) with an online softmax in float32 (running max, sum,
-// accumulator), and each score is one fixed-order dot product. So its bits depend neither on the
+// work items and across threads. A row walks its keys chunk by chunk (kBlocksPerChunk of the cache's
+// blocks, starting at fixed positions: the partition is a property of the sequence) with an online
+// softmax in float32 (running max, sum, accumulator), and each score is one fixed-order dot product. So its bits depend neither on the
 // batch, nor on how many rows its sequence brings (decode, 1 + k verification rows, a prefill
 // chunk), nor on the thread count, nor on the register blocking (AVX2 or AVX-512VL builds agree).
 //
@@ -40,7 +40,7 @@ namespace {
 
 constexpr int kRowsPerTile = 16;    // rows of one sequence in a work item: they share block reads
 constexpr int kMaxHeads = 3;        // query heads computed together (16 AVX2 registers hold 3)
-constexpr int kPrefetchAhead = 2;   // blocks requested ahead of the one being computed
+constexpr int kBlocksPerChunk = 4;  // cache blocks under one online-softmax update (see Chunk)
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
 struct Problem {
@@ -313,15 +313,32 @@ constexpr bool kVectorized = false;
 
 #endif
 
-// One row's online-softmax update with keys [begin, end) of a block, for kHeads query heads at
-// once; `first` indexes the heads' state in `scratch`.
+// Up to kBlocksPerChunk consecutive blocks of a sequence's context: one online-softmax update
+// covers them all, so the running max, the rescale of the accumulators and their loads and stores
+// are paid once per chunk_keys keys, not once per block. Chunks start at multiples of chunk_keys
+// positions: the partition is still a property of the sequence.
+struct Chunk {
+  int start = 0;       // position of the chunk's first key
+  int num_blocks = 0;  // blocks of the context in it (the last chunk may have fewer)
+  const float* keys[kBlocksPerChunk];
+  const float* values[kBlocksPerChunk];
+  const float* next_keys[kBlocksPerChunk];    // blocks to request now, or nullptr
+  const float* next_values[kBlocksPerChunk];
+};
+
+// One row's online-softmax update with keys [begin, end) of a chunk (positions relative to its
+// start), for kHeads query heads at once; `first` indexes the heads' state in `scratch`.
 template <int kHeadDim, int kHeads>
-inline void attend_block(const float* const* q, const float* keys, const float* values,
-                         const Problem& p, int begin, int end, Scratch& scratch, int first,
-                         const float* next_keys, const float* next_values) {
+inline void attend_chunk(const float* const* q, const Chunk& chunk, const Problem& p, int begin,
+                         int end, Scratch& scratch, int first) {
   const int D = kHeadDim ? kHeadDim : p.head_dim;
+  const int bs = p.block_size;
   float* scores = scratch.scores.data();
-  block_scores<kHeadDim, kHeads>(q, keys, p, begin, end, scores, scratch.score_stride, next_keys);
+  for (int i = begin / bs; i * bs < end; ++i) {
+    block_scores<kHeadDim, kHeads>(q, chunk.keys[i], p, std::max(begin - i * bs, 0),
+                                   std::min(end - i * bs, bs), scores + i * bs,
+                                   scratch.score_stride, chunk.next_keys[i]);
+  }
   float alpha[kHeads];
   float* acc[kHeads];
   for (int h = 0; h < kHeads; ++h) {
@@ -330,8 +347,14 @@ inline void attend_block(const float* const* q, const float* keys, const float* 
                              scratch.sum_lanes.data() + 8 * (first + h));
     acc[h] = scratch.acc.data() + static_cast<int64_t>(first + h) * D;
   }
-  block_accumulate<kHeadDim, kHeads>(acc, values, p, scores, scratch.score_stride, begin, end,
-                                     alpha, next_values);
+  float unit[kHeads];  // the chunk's later blocks add on to what its first one rescaled
+  for (int h = 0; h < kHeads; ++h) unit[h] = 1.0f;
+  for (int i = begin / bs; i * bs < end; ++i) {
+    block_accumulate<kHeadDim, kHeads>(acc, chunk.values[i], p, scores + i * bs,
+                                       scratch.score_stride, std::max(begin - i * bs, 0),
+                                       std::min(end - i * bs, bs), i == begin / bs ? alpha : unit,
+                                       chunk.next_values[i]);
+  }
 }
 
 template <int kHeadDim>
@@ -347,35 +370,43 @@ void run_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
     return p.sliding_window > 0 ? std::max(0, pos - p.sliding_window + 1) : 0;
   };
   const int num_vectors = item.num_rows * item.num_heads;
+  const int chunk_keys = kBlocksPerChunk * p.block_size;
   scratch.running_max.assign(num_vectors, kMinusInf);
   scratch.sum_lanes.assign(8 * num_vectors, 0.0f);
   scratch.acc.assign(static_cast<size_t>(num_vectors) * D, 0.0f);
-  scratch.score_stride = (p.block_size + 7) / 8 * 8 + 8;  // whole 8-key groups, with room
+  scratch.score_stride = (chunk_keys + 7) / 8 * 8 + 8;  // whole 8-key groups, with room
   scratch.scores.resize(static_cast<size_t>(kMaxHeads) * scratch.score_stride);
 
   const int32_t* table = p.block_tables + item.seq * p.table_stride;
   const int64_t block_elems = static_cast<int64_t>(p.block_size) * D;
   const int64_t head_offset = static_cast<int64_t>(item.kv_head) * p.num_blocks * block_elems;
   auto block_offset = [&](int b) { return head_offset + table[b] * block_elems; };
-  const int first_block = window_start(first_pos) / p.block_size;
+  const int first_chunk = window_start(first_pos) / chunk_keys;
+  const int last_chunk = last_pos / chunk_keys;
   const int last_block = last_pos / p.block_size;
-  for (int ahead = 1; ahead < kPrefetchAhead && first_block + ahead <= last_block; ++ahead) {
-    prefetch_rows(p.key_cache + block_offset(first_block + ahead), block_elems);
-    prefetch_rows(p.value_cache + block_offset(first_block + ahead), block_elems);
+  for (int b = first_chunk * kBlocksPerChunk;
+       b < std::min((first_chunk + 1) * kBlocksPerChunk, last_block + 1); ++b) {
+    prefetch_rows(p.key_cache + block_offset(b), block_elems);
+    prefetch_rows(p.value_cache + block_offset(b), block_elems);
   }
-  for (int b = first_block; b <= last_block; ++b) {
-    const float* keys = p.key_cache + block_offset(b);      // [block_size, head_dim]
-    const float* values = p.value_cache + block_offset(b);  // [block_size, head_dim]
-    // block b + kPrefetchAhead is requested a few rows at a time, during the first heads' work
-    const bool prefetch = b + kPrefetchAhead <= last_block;
-    const float* next_keys = prefetch ? p.key_cache + block_offset(b + kPrefetchAhead) : nullptr;
-    const float* next_values =
-        prefetch ? p.value_cache + block_offset(b + kPrefetchAhead) : nullptr;
-    const int block_start = b * p.block_size;
+  Chunk chunk;
+  for (int c = first_chunk; c <= last_chunk; ++c) {
+    chunk.start = c * chunk_keys;
+    chunk.num_blocks = std::min(kBlocksPerChunk, last_block + 1 - c * kBlocksPerChunk);
+    for (int i = 0; i < chunk.num_blocks; ++i) {
+      const int b = c * kBlocksPerChunk + i;
+      chunk.keys[i] = p.key_cache + block_offset(b);      // [block_size, head_dim]
+      chunk.values[i] = p.value_cache + block_offset(b);  // [block_size, head_dim]
+      // the next chunk's block i is requested a few rows at a time, during the first heads' work
+      const bool prefetch = b + kBlocksPerChunk <= last_block;
+      chunk.next_keys[i] = prefetch ? p.key_cache + block_offset(b + kBlocksPerChunk) : nullptr;
+      chunk.next_values[i] =
+          prefetch ? p.value_cache + block_offset(b + kBlocksPerChunk) : nullptr;
+    }
     for (int r = 0; r < item.num_rows; ++r) {
       const int pos = first_pos + r;
-      const int begin = std::max(window_start(pos), block_start) - block_start;
-      const int end = std::min(pos + 1, block_start + p.block_size) - block_start;
+      const int begin = std::max(window_start(pos), chunk.start) - chunk.start;
+      const int end = std::min(pos + 1, chunk.start + chunk_keys) - chunk.start;
       if (begin >= end) continue;
       const int64_t token = first_token + item.first_row + r;
       for (int h = 0; h < item.num_heads; h += kMaxHeads) {
@@ -387,16 +418,15 @@ void run_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
         }
         const int first = r * item.num_heads + h;
         if (num_heads == 3) {
-          attend_block<kHeadDim, 3>(q, keys, values, p, begin, end, scratch, first, next_keys,
-                                    next_values);
+          attend_chunk<kHeadDim, 3>(q, chunk, p, begin, end, scratch, first);
         } else if (num_heads == 2) {
-          attend_block<kHeadDim, 2>(q, keys, values, p, begin, end, scratch, first, next_keys,
-                                    next_values);
+          attend_chunk<kHeadDim, 2>(q, chunk, p, begin, end, scratch, first);
         } else {
-          attend_block<kHeadDim, 1>(q, keys, values, p, begin, end, scratch, first, next_keys,
-                                    next_values);
+          attend_chunk<kHeadDim, 1>(q, chunk, p, begin, end, scratch, first);
         }
-        next_keys = next_values = nullptr;  // requested once per block
+        for (int i = 0; i < chunk.num_blocks; ++i) {  // requested once per chunk
+          chunk.next_keys[i] = chunk.next_values[i] = nullptr;
+        }
       }
     }
   }
@@ -419,24 +449,36 @@ void run_item_dispatch(const Problem& p, const WorkItem& item, Scratch& scratch)
   run_item<0>(p, item, scratch);
 }
 
-// Tiles of rows per (sequence, kv head); when that leaves too few items to keep every thread busy
-// (a lone decoding sequence), each query head becomes an item of its own. Largest first, for the
-// shared queue.
+// Tiles of rows per (sequence, kv head). When that leaves too few items to keep every thread busy,
+// a tile's rows are split first (a smaller tile still loads each K/V row once for all the query
+// heads of its kv head), and only a lone row's heads become items of their own (a decoding
+// sequence alone). Largest first, for the shared queue.
 std::vector<WorkItem> plan_work(const Problem& p, int num_seqs, int num_threads) {
   const int group = p.num_heads / p.num_kv_heads;
+  const int64_t enough = 4 * static_cast<int64_t>(num_threads);
+  int64_t num_items = 0;
+  for (int s = 0; s < num_seqs; ++s) {
+    const int query_len = p.cu_num_query_tokens[s + 1] - p.cu_num_query_tokens[s];
+    num_items += (query_len + kRowsPerTile - 1) / kRowsPerTile * p.num_kv_heads;
+  }
+  // each tile is cut into this many pieces when the tiles alone leave threads idle
+  const int64_t pieces =
+      num_threads > 1 && num_items < enough ? (enough + num_items - 1) / num_items : 1;
   std::vector<WorkItem> items;
   for (int s = 0; s < num_seqs; ++s) {
     const int query_len = p.cu_num_query_tokens[s + 1] - p.cu_num_query_tokens[s];
     const int64_t context = p.sliding_window > 0 ? std::min(p.seq_lens[s], p.sliding_window)
                                                  : p.seq_lens[s];
+    const int tile = static_cast<int>(std::max<int64_t>(
+        1, (std::min(query_len, kRowsPerTile) + pieces - 1) / pieces));
     for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
-      for (int row = 0; row < query_len; row += kRowsPerTile) {
-        const int num_rows = std::min(kRowsPerTile, query_len - row);
+      for (int row = 0; row < query_len; row += tile) {
+        const int num_rows = std::min(tile, query_len - row);
         items.push_back({s, kv_head, row, num_rows, 0, group, num_rows * group * context});
       }
     }
   }
-  if (group > 1 && num_threads > 1 && static_cast<int64_t>(items.size()) < 4 * num_threads) {
+  if (group > 1 && num_threads > 1 && static_cast<int64_t>(items.size()) < enough) {
     std::vector<WorkItem> split;
     for (const WorkItem& item : items) {
       for (int h = 0; h < group; ++h) {

@@ -197,6 +197,34 @@ def test_a_request_left_at_zero_probes_one_draft_now_and_then():
     assert ks.index(1) == PROBE_INTERVAL - 1
 
 
+def test_steps_with_nothing_to_draft_do_not_count_toward_a_probe():
+    """A free proposer that offered no draft (cap 0) left no choice to the policy: only the steps
+    where a draft existed and was dropped count, so the probe tests a real draft."""
+    policy = AdaptiveSpeculation()
+    policy.cost = flat_cost()
+    for _ in range(20):
+        policy.observe_verification("hopeless", 4, 0)
+    hopeless = request("hopeless", temperature=0.0)
+    ks = [policy.choose([hopeless], [4 if step % 2 else 0], 0)[0]
+          for step in range(2 * PROBE_INTERVAL)]
+    assert ks.count(1) == 1 and ks.index(1) == 2 * PROBE_INTERVAL - 1
+
+
+def test_deep_positions_follow_the_engine_when_the_request_rarely_reaches_them():
+    """Copied passages hold once they start: the engine has seen drafts kept whole or lost at the
+    first token. A request whose last few first drafts failed has a low a_1 of its own, but its deep
+    positions, which it has not reached lately, keep the engine's high estimate instead of being
+    dragged down to its a_1."""
+    tracker = AcceptanceTracker()
+    for step in range(60):
+        tracker.observe(f"earlier-{step}", 8, 8 if step % 2 else 0)
+    for _ in range(3):
+        tracker.observe("new", 1, 0)
+    conditional = tracker.conditional_acceptance("new")
+    assert conditional[0] < 0.3
+    assert (conditional[1:8] > 0.9).all()
+
+
 def test_seeded_sampling_keeps_its_cap_and_greedy_adapts():
     policy = AdaptiveSpeculation()
     policy.cost = flat_cost()

@@ -58,7 +58,7 @@ def test_matches_the_torch_reference(query_lens, seq_lens, heads, kv_heads):
 
 
 @pytest.mark.parametrize("head_dim", [8, 16, 80, 128])
-@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("block_size", [1, 12, 16, 32])
 def test_head_dims_and_block_sizes(head_dim, block_size):
     kernel, reference = run_both([1, 6, 1], [70, 45, 3], head_dim=head_dim, block_size=block_size)
     torch.testing.assert_close(kernel, reference, rtol=1e-5, atol=1e-5)

@@ -35,6 +35,25 @@ def test_bad_flags_fail_at_start_up(flags, message):
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+def spec_methods(server: LiveServer) -> dict[str, float]:
+    """spec_method label -> the configured k the server exports."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(f"{server.url}/metrics", timeout=5).text
+    return {s.labels["spec_method"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "specserve:spec_decode_num_speculative_tokens"}
+
+
+def test_plain_serve_speculates_with_adaptive_suffix_and_none_turns_it_off(tiny_llama):
+    prompt = completion([1, 5, 9, 13, 2, 7, 5, 9, 13, 2], 24)
+    for flags, expected in (([], {"suffix": 8}), (["--speculative-config", "none"], {"none": 0})):
+        with LiveServer(["--model", tiny_llama, "--dtype", "float32", "--max-model-len", "512",
+                         *flags]) as server:
+            assert spec_methods(server) == expected
+            response = httpx.post(f"{server.api}/completions", json=prompt, timeout=DEADLINE_S)
+            assert response.status_code == 200
+            assert response.json()["usage"]["completion_tokens"] == 24
+
+
 def completion(token_ids: list[int], max_tokens: int, **extra) -> dict:
     return {"prompt": token_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             **extra}
