@@ -25,25 +25,36 @@ CALIBRATION_REQUEST_ID = "specserve-adaptive-calibration"
 def calibrate_verify_cost(cost: StepCostModel, worker: Worker, block_manager: BlockManager,
                           sampler: RejectionSampler, max_tokens: int) -> None:
     """Time one request verifying n - 1 greedy drafts (n rows of logits, as a real verification)
-    for each calibration size n <= max_tokens; the fastest of REPEATS runs seeds the cost table."""
+    for each calibration size n <= max_tokens; the fastest of REPEATS runs seeds the cost table.
+
+    The sizes are timed in rounds, every size once per round, so a burst of other work on the
+    machine (another process starting up) slows one run of many sizes, not every run of a few:
+    the curve's shape survives it."""
     capacity = block_manager.num_free_blocks * block_manager.block_size
-    for num_tokens in CALIBRATION_SIZES:
-        if num_tokens > min(max_tokens, capacity):
-            break
-        request = Request(CALIBRATION_REQUEST_ID, [0], SamplingParams(temperature=0.0, max_tokens=1),
-                          frozenset())
-        item = ScheduledRequest(request, num_tokens, is_sampling=True,
-                                draft_token_ids=[0] * (num_tokens - 1))
-        output = SchedulerOutput([item], num_tokens, StepLayout.build([item], worker.device))
-        block_manager.allocate(CALIBRATION_REQUEST_ID, num_tokens)
-        try:
-            fastest = float("inf")
-            # NOTE: one extra run first: the first pass of a size may pack weights or plan kernels
-            for repeat in range(REPEATS + (num_tokens == CALIBRATION_SIZES[0])):
-                start = time.perf_counter()
-                out = worker.execute(output, block_manager)
-                sampler(out.logits, output.layout)
-                fastest = min(fastest, time.perf_counter() - start)
-        finally:
-            block_manager.free(CALIBRATION_REQUEST_ID)
-        cost.observe_verify(num_tokens, fastest)
+    sizes = [n for n in CALIBRATION_SIZES if n <= min(max_tokens, capacity)]
+    fastest = dict.fromkeys(sizes, float("inf"))
+    # NOTE: one extra round first: the first pass of a size may pack weights or plan kernels
+    for round_index in range(REPEATS + 1):
+        for num_tokens in sizes:
+            seconds = _time_verification(worker, block_manager, sampler, num_tokens)
+            if round_index > 0:
+                fastest[num_tokens] = min(fastest[num_tokens], seconds)
+    for num_tokens in sizes:
+        cost.observe_verify(num_tokens, fastest[num_tokens])
+
+
+def _time_verification(worker: Worker, block_manager: BlockManager, sampler: RejectionSampler,
+                       num_tokens: int) -> float:
+    request = Request(CALIBRATION_REQUEST_ID, [0], SamplingParams(temperature=0.0, max_tokens=1),
+                      frozenset())
+    item = ScheduledRequest(request, num_tokens, is_sampling=True,
+                            draft_token_ids=[0] * (num_tokens - 1))
+    output = SchedulerOutput([item], num_tokens, StepLayout.build([item], worker.device))
+    block_manager.allocate(CALIBRATION_REQUEST_ID, num_tokens)
+    try:
+        start = time.perf_counter()
+        out = worker.execute(output, block_manager)
+        sampler(out.logits, output.layout)
+        return time.perf_counter() - start
+    finally:
+        block_manager.free(CALIBRATION_REQUEST_ID)

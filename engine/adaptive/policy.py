@@ -113,6 +113,12 @@ class AdaptiveSpeculation:
                           for i in adaptive]).reshape(len(adaptive), depth),
                 np.array([caps[i] for i in adaptive]), num_known, self.cost.step_seconds,
                 lambda depth: self.cost.draft_seconds(max(depth, min_depth)), expected)
+            all_drafts = sum(caps[i] for i in adaptive)
+            if int(lengths.sum()) < all_drafts and self.cost.is_stale(num_known + all_drafts):
+                # NOTE: every draft verified, so this pass measures a stale point again: a choice
+                # resting on a point timed while the machine was busy (start-up calibration beside
+                # other processes) would otherwise never revisit it and keep drafts short for good
+                return chosen
             for i, k in zip(adaptive, lengths.tolist()):
                 chosen[i] = self._probe(requests[i].request_id, caps[i], k)
         return chosen

@@ -18,6 +18,10 @@ import numpy as np
 SMOOTHING = 0.2
 # token counts up to this get a point each; above, points share a quarter-octave bucket
 EXACT_UP_TO = 32
+# a point not measured in this many target passes may no longer be what the machine does (start-up
+# calibration ran beside other processes, the host's memory bandwidth moved): the policy then
+# verifies every draft once to measure it again (policy.py)
+STALE_AFTER = 64
 
 
 def _bucket(num_tokens: int) -> int:
@@ -30,6 +34,9 @@ class StepCostModel:
     def __init__(self) -> None:
         # bucket -> [mean tokens, mean seconds] of the target passes that fell in it
         self._points: dict[int, list[float]] = {}
+        # target passes observed, and bucket -> the count when it was last measured
+        self._num_observed = 0
+        self._measured_at: dict[int, int] = {}
         # drafting: seconds of a step that drafted nothing, and seconds per draft position after that
         self._draft_base: float = 0.0
         self._draft_per_position: float = 0.0
@@ -42,12 +49,16 @@ class StepCostModel:
         """A target pass over `num_tokens` tokens (prefill chunks and drafts included) took `seconds`."""
         if num_tokens < 1 or not math.isfinite(seconds):
             return
-        point = self._points.get(_bucket(num_tokens))
-        if point is None:
-            self._points[_bucket(num_tokens)] = [float(num_tokens), seconds]
+        bucket = _bucket(num_tokens)
+        point = self._points.get(bucket)
+        if point is None or self._num_observed - self._measured_at[bucket] >= STALE_AFTER:
+            # a stale point says what the machine did then, not now: the new measurement replaces it
+            self._points[bucket] = [float(num_tokens), seconds]
         else:
             point[0] += SMOOTHING * (num_tokens - point[0])
             point[1] += SMOOTHING * (seconds - point[1])
+        self._num_observed += 1
+        self._measured_at[bucket] = self._num_observed
         self._curve = None
 
     def observe_overhead(self, seconds: float) -> None:
@@ -69,6 +80,16 @@ class StepCostModel:
     @property
     def is_ready(self) -> bool:
         return bool(self._points)
+
+    def is_stale(self, num_tokens: int) -> bool:
+        """True when the prediction for `num_tokens` rests on a point (the measured sizes on either
+        side of it) that was not measured again in the last STALE_AFTER target passes."""
+        below = [(point[0], bucket) for bucket, point in self._points.items() if point[0] <= num_tokens]
+        above = [(point[0], bucket) for bucket, point in self._points.items() if point[0] >= num_tokens]
+        neighbours = [max(below)[1]] if below else []
+        neighbours += [min(above)[1]] if above else [max(self._points.items(),
+                                                          key=lambda item: item[1][0])[0]]
+        return any(self._num_observed - self._measured_at[b] >= STALE_AFTER for b in neighbours)
 
     def step_seconds(self, num_tokens: np.ndarray) -> np.ndarray:
         """Predicted seconds of steps computing `num_tokens` tokens, drafting aside."""

@@ -16,7 +16,7 @@ from engine.adaptive import (
     geometric_chances,
 )
 from engine.adaptive.policy import MIN_RELATIVE_GAIN, PROBE_INTERVAL
-from engine.adaptive.step_cost import non_decreasing_fit
+from engine.adaptive.step_cost import STALE_AFTER, non_decreasing_fit
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -234,3 +234,39 @@ def test_seeded_sampling_keeps_its_cap_and_greedy_adapts():
     ks = policy.choose([request("seeded", temperature=1.0, seed=7),
                         request("greedy", temperature=0.0)], [3, 3], 0)
     assert ks == [3, 0]
+
+
+def test_a_point_not_measured_lately_is_stale_until_measured_again():
+    cost = StepCostModel()
+    for tokens in (1, 4, 16):
+        cost.observe_verify(tokens, 0.010 + 0.001 * tokens)
+    assert not cost.is_stale(9)  # interpolated between fresh points
+    for _ in range(STALE_AFTER):
+        cost.observe_verify(1, 0.011)
+    assert not cost.is_stale(1)
+    assert cost.is_stale(9) and cost.is_stale(16) and cost.is_stale(100)  # 4, 16 not re-measured
+    cost.observe_verify(4, 0.014)
+    cost.observe_verify(16, 0.026)
+    assert not cost.is_stale(9) and not cost.is_stale(100)
+
+
+def test_a_cost_timed_on_a_busy_machine_is_measured_again_instead_of_trusted_for_good():
+    """Start-up calibration timed 9-token passes while the machine was busy (4x their real cost),
+    one-row passes since then at their real cost: the policy verifies every draft once, learns the
+    real cost of that pass, and from then on drafts deep where before it kept drafts short."""
+    real = COST_SHAPES["cpu_linear"]
+    policy = AdaptiveSpeculation()
+    for tokens in range(1, 10):
+        policy.cost.observe_verify(tokens, float(real(tokens)) * (4.0 if tokens > 1 else 1.0))
+    for _ in range(40):
+        policy.observe_verification("copying", 8, 8)
+    copying = request("copying", temperature=0.0)
+    for _ in range(STALE_AFTER):
+        policy.cost.observe_verify(1, float(real(1)))
+    ks = []
+    for _ in range(4):
+        k = policy.choose([copying], [8], 0)[0]
+        ks.append(k)
+        policy.cost.observe_verify(1 + k, float(real(1 + k)))
+    assert ks[0] == 8  # the stale point is measured again
+    assert ks[-1] == 8  # and, now known to be cheap, chosen for its own sake
