@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from engine.adaptive.acceptance import AcceptanceTracker
-from engine.adaptive.step_cost import StepCostModel
+from engine.adaptive.step_cost import STALE_AFTER, StepCostModel
 from engine.request import Request
 from engine.scheduler import SampledTokens, SchedulerOutput
 
@@ -87,6 +87,9 @@ class AdaptiveSpeculation:
         self.acceptance = AcceptanceTracker()
         # request id -> steps in a row it could have drafted but was given k = 0
         self._steps_without_drafts: dict[str, int] = {}
+        # the cost model's pass count at the last exploration: at most one per STALE_AFTER passes,
+        # so a busy batch whose sizes vary (prefill chunks) pays for at most that share of them
+        self._explored_at = -STALE_AFTER
 
     def choose(self, requests: Sequence[Request], caps: Sequence[int],
                num_prefill_tokens: int) -> list[int]:
@@ -114,7 +117,9 @@ class AdaptiveSpeculation:
                 np.array([caps[i] for i in adaptive]), num_known, self.cost.step_seconds,
                 lambda depth: self.cost.draft_seconds(max(depth, min_depth)), expected)
             all_drafts = sum(caps[i] for i in adaptive)
-            if int(lengths.sum()) < all_drafts and self.cost.is_stale(num_known + all_drafts):
+            if (int(lengths.sum()) < all_drafts and self.cost.is_stale(num_known + all_drafts)
+                    and self.cost.num_observed - self._explored_at >= STALE_AFTER):
+                self._explored_at = self.cost.num_observed
                 # NOTE: every draft verified, so this pass measures a stale point again: a choice
                 # resting on a point timed while the machine was busy (start-up calibration beside
                 # other processes) would otherwise never revisit it and keep drafts short for good

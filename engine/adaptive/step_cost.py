@@ -81,6 +81,11 @@ class StepCostModel:
     def is_ready(self) -> bool:
         return bool(self._points)
 
+    @property
+    def num_observed(self) -> int:
+        """Target passes observed so far: the clock staleness is counted on."""
+        return self._num_observed
+
     def is_stale(self, num_tokens: int) -> bool:
         """True when the prediction for `num_tokens` rests on a point (the measured sizes on either
         side of it) that was not measured again in the last STALE_AFTER target passes."""

@@ -270,3 +270,22 @@ def test_a_cost_timed_on_a_busy_machine_is_measured_again_instead_of_trusted_for
         policy.cost.observe_verify(1 + k, float(real(1 + k)))
     assert ks[0] == 8  # the stale point is measured again
     assert ks[-1] == 8  # and, now known to be cheap, chosen for its own sake
+
+
+def test_exploration_happens_at_most_once_per_stale_period():
+    """A batch whose pass sizes keep changing (prefill chunks) could find a stale point every step:
+    exploring stays at one pass in STALE_AFTER, so its cost is bounded."""
+    real = COST_SHAPES["cpu_linear"]
+    policy = AdaptiveSpeculation()
+    for tokens in range(1, 10):
+        policy.cost.observe_verify(tokens, float(real(tokens)) * (4.0 if tokens > 1 else 1.0))
+    for _ in range(40):
+        policy.observe_verification("copying", 8, 8)
+    copying = request("copying", temperature=0.0)
+    for _ in range(STALE_AFTER):
+        policy.cost.observe_verify(1, float(real(1)))
+    ks = []
+    for _ in range(2 * STALE_AFTER):
+        ks.append(policy.choose([copying], [8], 0)[0])
+        policy.cost.observe_verify(1, float(real(1)))  # the explored pass is never timed here
+    assert ks.count(8) == 2 and ks.index(8) == 0 and ks[STALE_AFTER] == 8

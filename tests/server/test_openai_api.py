@@ -30,6 +30,13 @@ COPY_PROMPT = ("Repeat this list exactly, one item per line: apple, banana, cher
 
 @pytest.fixture(scope="module")
 def plain():
+    with LiveServer(["--max-model-len", "512", "--speculative-config", "none"]) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def default():
+    """`specserve serve` as README starts it: adaptive suffix decoding."""
     with LiveServer(["--max-model-len", "512"]) as server:
         yield server
 
@@ -61,16 +68,18 @@ def test_completion_and_models(plain):
     assert out.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] == 0
 
 
-def test_greedy_over_http_is_identical_with_and_without_speculation(plain, spec):
+def test_greedy_over_http_is_identical_with_and_without_speculation(plain, spec, default):
     prompts = [COPY_PROMPT, "Write a Python function that adds two numbers.", "Name three colors."]
-    accepted = 0
+    accepted = {"ngram": 0, "default": 0}
     for prompt in prompts:
         want = chat(sdk(plain), prompt, max_tokens=48, temperature=0)
-        got = chat(sdk(spec, KEY), prompt, max_tokens=48, temperature=0)
-        assert got.choices[0].message.content == want.choices[0].message.content
-        assert got.usage == want.usage
-        accepted += got.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"]
-    assert accepted > 0
+        for name, client in (("ngram", sdk(spec, KEY)), ("default", sdk(default))):
+            got = chat(client, prompt, max_tokens=48, temperature=0)
+            assert got.choices[0].message.content == want.choices[0].message.content
+            assert got.usage == want.usage
+            accepted[name] += \
+                got.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"]
+    assert accepted["ngram"] > 0 and accepted["default"] > 0
 
 
 def test_stream_with_usage_matches_the_full_response(spec):
