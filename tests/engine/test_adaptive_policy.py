@@ -250,24 +250,33 @@ def test_a_point_not_measured_lately_is_stale_until_measured_again():
     assert not cost.is_stale(9) and not cost.is_stale(100)
 
 
-def test_a_cost_timed_on_a_busy_machine_is_measured_again_instead_of_trusted_for_good():
-    """Start-up calibration timed 9-token passes while the machine was busy (4x their real cost),
-    one-row passes since then at their real cost: the policy verifies every draft once, learns the
-    real cost of that pass, and from then on drafts deep where before it kept drafts short."""
-    real = COST_SHAPES["cpu_linear"]
+REAL_COST = COST_SHAPES["cpu_linear"]
+
+
+def policy_calibrated_on_a_busy_machine() -> AdaptiveSpeculation:
+    """Start-up calibration timed passes of 2..9 tokens while the machine was busy (4x their real
+    cost); since then, STALE_AFTER one-row passes at their real cost. The request "copying" has had
+    every draft kept."""
     policy = AdaptiveSpeculation()
     for tokens in range(1, 10):
-        policy.cost.observe_verify(tokens, float(real(tokens)) * (4.0 if tokens > 1 else 1.0))
+        policy.cost.observe_verify(tokens, float(REAL_COST(tokens)) * (4.0 if tokens > 1 else 1.0))
     for _ in range(40):
         policy.observe_verification("copying", 8, 8)
-    copying = request("copying", temperature=0.0)
     for _ in range(STALE_AFTER):
-        policy.cost.observe_verify(1, float(real(1)))
+        policy.cost.observe_verify(1, float(REAL_COST(1)))
+    return policy
+
+
+def test_a_cost_timed_on_a_busy_machine_is_measured_again_instead_of_trusted_for_good():
+    """The policy verifies every draft once, learns the real cost of that pass, and from then on
+    drafts deep where the stale table kept drafts short."""
+    policy = policy_calibrated_on_a_busy_machine()
+    copying = request("copying", temperature=0.0)
     ks = []
     for _ in range(4):
         k = policy.choose([copying], [8], 0)[0]
         ks.append(k)
-        policy.cost.observe_verify(1 + k, float(real(1 + k)))
+        policy.cost.observe_verify(1 + k, float(REAL_COST(1 + k)))
     assert ks[0] == 8  # the stale point is measured again
     assert ks[-1] == 8  # and, now known to be cheap, chosen for its own sake
 
@@ -275,17 +284,10 @@ def test_a_cost_timed_on_a_busy_machine_is_measured_again_instead_of_trusted_for
 def test_exploration_happens_at_most_once_per_stale_period():
     """A batch whose pass sizes keep changing (prefill chunks) could find a stale point every step:
     exploring stays at one pass in STALE_AFTER, so its cost is bounded."""
-    real = COST_SHAPES["cpu_linear"]
-    policy = AdaptiveSpeculation()
-    for tokens in range(1, 10):
-        policy.cost.observe_verify(tokens, float(real(tokens)) * (4.0 if tokens > 1 else 1.0))
-    for _ in range(40):
-        policy.observe_verification("copying", 8, 8)
+    policy = policy_calibrated_on_a_busy_machine()
     copying = request("copying", temperature=0.0)
-    for _ in range(STALE_AFTER):
-        policy.cost.observe_verify(1, float(real(1)))
     ks = []
     for _ in range(2 * STALE_AFTER):
         ks.append(policy.choose([copying], [8], 0)[0])
-        policy.cost.observe_verify(1, float(real(1)))  # the explored pass is never timed here
+        policy.cost.observe_verify(1, float(REAL_COST(1)))  # the explored pass is never timed here
     assert ks.count(8) == 2 and ks.index(8) == 0 and ks[STALE_AFTER] == 8
