@@ -12,6 +12,10 @@ speculation would not beat plain decoding by MIN_RELATIVE_GAIN.
 This is what makes speculation back off under load: when the target pass turns compute-bound (a big
 batch, long prefill chunks), extra rows stop being nearly free, the marginal draft no longer pays,
 and k falls toward 0; with few requests and a cheap extra row, k rises to the configured maximum.
+
+The costs are only as good as their last measurement, and the policy measures only the pass sizes
+it picks: when its choice rests on a size not timed in a while (step_cost.STALE_AFTER passes), it
+verifies every draft once, at most once per that many passes, to time it again.
 """
 
 from __future__ import annotations
