@@ -59,10 +59,17 @@ def _finite_logprob(logprob: float) -> float:
 Logprob = Annotated[float, AfterValidator(_finite_logprob)]
 
 
+class PromptTokensDetails(BaseModel):
+    # prompt tokens whose KV came from a cache instead of being computed: 0 until prefix caching
+    # lands (OpenAI clients and aiperf read the field)
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
     @classmethod
     def count(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -71,17 +78,39 @@ class Usage(BaseModel):
 
 
 class SpeculativeDecodingMetrics(BaseModel):
-    """SpecStats.as_dict(): vLLM's per-request names. Rates are null before any draft."""
+    """vLLM's per-request speculation payload (`--per-request-spec-decode-metrics summary`), field
+    for field, so clients that parse vLLM's (NVIDIA's aiperf) read ours; SpecStats' other counts
+    ride along. A request that never verified a draft reads as nothing accepted: 1.0 and 0.0, never
+    null (aiperf drops a payload with a null rate as malformed)."""
 
     # NOTE: keep keys SpecStats adds later (per-position counts, timings) instead of dropping them
     model_config = ConfigDict(extra="allow")
 
-    num_spec_steps: int
-    num_draft_tokens: int
-    num_accepted_draft_tokens: int
-    draft_acceptance_rate: float | None
-    mean_acceptance_length: float | None
+    # 1 + accepted drafts per verification step: tokens a step emitted, the bonus token included
+    mean_acceptance_length: float
+    # accepted drafts / proposed drafts
+    draft_acceptance_rate: float
+    # dense: index j = verification steps that accepted exactly j drafts, j = 0 .. num_spec_tokens
     acceptance_histogram: list[int]
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    # the most drafts a step could verify for this request (k); 0 without speculation
+    num_spec_tokens: int
+
+    @classmethod
+    def from_spec_stats(cls, stats: SpecStats, num_spec_tokens: int) -> SpeculativeDecodingMetrics:
+        steps, accepted = stats.num_spec_steps, stats.num_accepted_draft_tokens
+        histogram = list(stats.acceptance_histogram)
+        histogram += [0] * (num_spec_tokens + 1 - len(histogram))
+        return cls.model_validate({
+            **stats.as_dict(),
+            "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+            "draft_acceptance_rate": accepted / stats.num_draft_tokens if stats.num_draft_tokens
+            else 0.0,
+            "acceptance_histogram": histogram,
+            "num_spec_tokens": num_spec_tokens,
+        })
 
 
 class ResponseMetrics(BaseModel):
@@ -90,10 +119,13 @@ class ResponseMetrics(BaseModel):
     speculative_decoding: SpeculativeDecodingMetrics
 
     @classmethod
-    def from_spec_stats(cls, stats: SpecStats | Mapping[str, Any]) -> ResponseMetrics:
+    def from_spec_stats(cls, stats: SpecStats | Mapping[str, Any],
+                        num_spec_tokens: int) -> ResponseMetrics:
         """Takes SpecStats or its as_dict(), the form that crosses the engine queue."""
-        as_dict = stats.as_dict() if isinstance(stats, SpecStats) else dict(stats)
-        return cls(speculative_decoding=SpeculativeDecodingMetrics.model_validate(as_dict))
+        if not isinstance(stats, SpecStats):
+            stats = SpecStats.from_dict(dict(stats))
+        return cls(speculative_decoding=SpeculativeDecodingMetrics.from_spec_stats(
+            stats, num_spec_tokens))
 
 
 class CompletionLogprobs(BaseModel):

@@ -186,6 +186,15 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return sum(len(c.tracker.token_ids) for c in self.choices)
 
+    @property
+    def num_spec_tokens(self) -> int:
+        """The most drafts one step could verify for this request: the server's k, or the
+        request's own smaller one (`speculative_decoding.num_speculative_tokens`)."""
+        engine_k = self.client.ready.num_speculative_tokens if self.client.ready.speculative_method \
+            else 0
+        own = [c.params.num_speculative_tokens for c in self.choices]
+        return max((engine_k if k is None else min(k, engine_k) for k in own), default=engine_k)
+
     def spec_stats(self) -> SpecStats:
         """Speculation over every choice (zero drafts when speculation is off)."""
         return SpecStats.merged([SpecStats.from_dict(c.tracker.spec_stats)

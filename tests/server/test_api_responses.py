@@ -48,7 +48,7 @@ def spec_metrics() -> ResponseMetrics:
     stats = SpecStats()
     stats.observe(num_draft_tokens=3, num_accepted=2, num_emitted=3)
     stats.observe(num_draft_tokens=0, num_accepted=0, num_emitted=1)
-    return ResponseMetrics.from_spec_stats(stats)
+    return ResponseMetrics.from_spec_stats(stats, num_spec_tokens=3)
 
 
 # ---------------------------------------------------------------- responses through the SDK's types
@@ -62,6 +62,7 @@ def test_completion_response_parses_as_sdk_completion() -> None:
     assert parsed.id.startswith("cmpl-") and parsed.object == "text_completion"
     assert parsed.choices[0].logprobs.token_logprobs == [-0.1, MIN_LOGPROB]
     assert parsed.usage.total_tokens == 5
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache yet
     assert parsed.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] == 3
 
 
@@ -121,19 +122,44 @@ def test_chunks_keep_openai_nulls_and_omit_unset_extras() -> None:
     assert final["metrics"]["speculative_decoding"]["draft_acceptance_rate"] == pytest.approx(2 / 3)
 
 
-def test_nulls_inside_metrics_are_kept() -> None:
-    # α and τ are null before any draft; the keys stay so clients can rely on them
-    chunk = ChatCompletionStreamResponse(id="chatcmpl-1", created=1, model="m", choices=[],
-                                         metrics=ResponseMetrics.from_spec_stats(SpecStats()))
+def test_speculation_metrics_are_vllms_payload_exactly() -> None:
+    """vLLM PR 48915's example response: 43 verification steps at k = 3, 10 drafts kept; its
+    `metrics.speculative_decoding` is what we send for the same counts, key for key."""
+    stats = SpecStats()
+    for accepted, steps in ((0, 39), (1, 1), (3, 3)):
+        for _ in range(steps):
+            stats.observe(num_draft_tokens=3, num_accepted=accepted, num_emitted=accepted + 1)
+    spec = json.loads(ResponseMetrics.from_spec_stats(stats, num_spec_tokens=3)
+                      .model_dump_json())["speculative_decoding"]
+    vllm = {"mean_acceptance_length": 1.2325581395348837,
+            "draft_acceptance_rate": 0.07751937984496124,
+            "acceptance_histogram": [39, 1, 0, 3], "num_spec_steps": 43,
+            "num_accepted_draft_tokens": 10, "num_draft_tokens": 129, "num_spec_tokens": 3}
+    assert {key: spec[key] for key in vllm} == vllm
+    assert all(type(spec[key]) is type(value) for key, value in vllm.items())
+
+
+def test_a_request_without_speculative_steps_reads_as_nothing_accepted() -> None:
+    """Numbers, never null (aiperf drops a payload with a null rate as malformed), and a histogram
+    with one bucket per accepted count 0 .. k."""
+    stats = SpecStats()
+    stats.observe(num_draft_tokens=0, num_accepted=0, num_emitted=1)
+    chunk = ChatCompletionStreamResponse(
+        id="chatcmpl-1", created=1, model="m", choices=[],
+        metrics=ResponseMetrics.from_spec_stats(stats, num_spec_tokens=4))
     spec = json.loads(chunk.model_dump_json())["metrics"]["speculative_decoding"]
-    assert spec["draft_acceptance_rate"] is None and spec["mean_acceptance_length"] is None
+    assert spec["mean_acceptance_length"] == 1.0 and spec["draft_acceptance_rate"] == 0.0
+    assert spec["acceptance_histogram"] == [0] * 5 and spec["num_spec_steps"] == 0
+    assert spec["num_spec_tokens"] == 4
 
 
 def test_metrics_carry_every_spec_stats_key() -> None:
     stats = SpecStats()
     stats.observe(num_draft_tokens=4, num_accepted=1, num_emitted=2)
-    dumped = ResponseMetrics.from_spec_stats(stats.as_dict()).model_dump()
-    assert dumped["speculative_decoding"] == stats.as_dict()
+    dumped = ResponseMetrics.from_spec_stats(stats.as_dict(), num_spec_tokens=4).model_dump()
+    assert set(stats.as_dict()) <= set(dumped["speculative_decoding"])
+    assert dumped["speculative_decoding"]["verify_seconds"] == stats.verify_seconds
+    assert dumped["speculative_decoding"]["accepted_per_position"] == [1, 0, 0, 0]
 
 
 def test_logprobs_never_serialise_as_infinity() -> None:
