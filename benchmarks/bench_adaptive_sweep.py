@@ -3,7 +3,8 @@ speculation, a fixed k and adaptive k on the embedded model; prints each configu
 throughput against no speculation's at every QPS, side by side from the same run.
 
 Run: python -m benchmarks.bench_adaptive_sweep [--qps 0.05 0.2 1] [--num-requests 8]
-     [--max-tokens 128] [--k 4] [--result-json sweep.json] [--plot-dir plots/]
+     [--max-tokens 128] [--method suffix] [--k 8] [--result-json sweep.json] [--plot-dir plots/]
+The fixed and adaptive runs use the same proposer: suffix with k 8 by default, the server's default.
 About 14 minutes on 2 CPU cores. The engine gets one thread (--serve-args) so that the HTTP server
 and the load tester keep the other core: timings are steadier than with both cores contended.
 The aim (issue 7): adaptive is never more than 5% slower than no speculation at any QPS (mean

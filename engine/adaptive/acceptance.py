@@ -70,11 +70,16 @@ class AcceptanceTracker:
     def __init__(self) -> None:
         self._engine = _PositionCounts()
         self._requests: dict[str, _PositionCounts] = {}
+        # the engine's estimate, the prior of every request: computed once per batch of
+        # verifications, not once per request and step
+        self._engine_estimate: np.ndarray | None = None
 
     @property
     def engine_acceptance(self) -> np.ndarray:
         """[MAX_POSITIONS] conditional acceptance per position over all recent verifications."""
-        return self._engine.estimate(INITIAL_ACCEPTANCE, 1.0)
+        if self._engine_estimate is None:
+            self._engine_estimate = self._engine.estimate(INITIAL_ACCEPTANCE, 1.0)
+        return self._engine_estimate
 
     def conditional_acceptance(self, request_id: str) -> np.ndarray:
         """[MAX_POSITIONS] a_j for the request: its own recent verifications over the engine's."""
@@ -93,6 +98,7 @@ class AcceptanceTracker:
         self._requests.setdefault(request_id, _PositionCounts()).add(
             num_draft_tokens, num_accepted, REQUEST_DECAY)
         self._engine.add(num_draft_tokens, num_accepted, ENGINE_DECAY)
+        self._engine_estimate = None
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
