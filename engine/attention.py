@@ -9,7 +9,10 @@ KV cache layout, one tensor per layer (a token's slot = block_id * block_size + 
     kv_cache[0] = keys   [num_kv_heads, num_blocks, block_size, head_dim]
     kv_cache[1] = values [num_kv_heads, num_blocks, block_size, head_dim]
 
-Two paths read it:
+Three paths read it:
+- with `backend="triton"` (CUDA, or the CPU under TRITON_INTERPRET=1 in tests), the Triton kernel
+  (`kernels/paged_attention_triton.py`) reads every sequence's blocks in place, prefill chunks,
+  decode and verification rows alike, and launches a grid fixed by (sequences, longest query rows);
 - on the CPU, the C++ kernel (`kernels/paged_attention_cpu.py`) reads every sequence's blocks in
   place, with no copy and no mask, and gives each row the same bits whatever else is in the batch.
   It takes every row, prefill chunks included: on a prompt it runs within ~0.9-1.3x of SDPA's flash
@@ -33,10 +36,14 @@ from kernels.paged_attention_cpu import (
     paged_attention_cpu_supports,
 )
 
+# what reads the cache: "auto" = the C++ kernel on the CPU when it builds, else the torch path;
+# "triton" = the Triton kernel
+ATTENTION_BACKENDS = ("auto", "triton")
+
 
 @dataclass
 class KernelInputs:
-    """The step as the CPU kernel reads it (int32, on the CPU)."""
+    """The step as the in-place kernels read it (int32, on the step's device)."""
 
     # [num_seqs, max_num_blocks] int32: each sequence's block table, padded with block 0
     block_tables: torch.Tensor
@@ -45,6 +52,8 @@ class KernelInputs:
     # [num_seqs + 1] int32: sequence i's query rows are [cu[i], cu[i + 1]) of the flattened batch
     cu_num_query_tokens: torch.Tensor
     sliding_window: int | None
+    # True = the Triton kernel reads them, False = the CPU kernel
+    triton: bool = False
 
 
 @dataclass
@@ -88,12 +97,15 @@ def build_attention_metadata(
     block_size: int,
     sliding_window: int | None,
     device: torch.device,
+    backend: str = "auto",
 ) -> AttentionMetadata:
-    """Lay out one step's sequences for `paged_attention`.
+    """Lay out one step's sequences for `paged_attention` (backend: one of ATTENTION_BACKENDS).
 
     Sequence i has `seq_lens[i]` tokens of context after this step, the last `query_lens[i]` of which are
     this step's query rows, at positions seq_lens[i] - query_lens[i] ... seq_lens[i] - 1.
     """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     num_seqs = len(query_lens)
     max_query_len = max(query_lens)
     max_seq_len = max(seq_lens)
@@ -118,12 +130,13 @@ def build_attention_metadata(
         first_block = tables[0][0]
     # ---- the CPU kernel's view, or the causal mask over each padded context ----
     kernel = None
-    if device.type == "cpu" and paged_attention_cpu_available():
+    if backend == "triton" or (device.type == "cpu" and paged_attention_cpu_available()):
         kernel = KernelInputs(
-            block_tables=gather.to(torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            cu_num_query_tokens=torch.tensor(cu_num_query_tokens, dtype=torch.int32),
-            sliding_window=sliding_window)
+            block_tables=gather.to(device=device, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            cu_num_query_tokens=torch.tensor(cu_num_query_tokens, dtype=torch.int32, device=device),
+            sliding_window=sliding_window,
+            triton=backend == "triton")
     is_causal = num_seqs == 1 and max_query_len == max_seq_len > 1 and (
         sliding_window is None or max_seq_len <= sliding_window)
     needs_mask = ((max_query_len > 1 or num_seqs > 1) and not is_causal) or (
@@ -184,6 +197,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     returns [num_tokens, num_heads * head_dim]
     """
     kernel = meta.kernel
+    if kernel is not None and kernel.triton:
+        from kernels.paged_attention_triton import paged_attention_triton
+        return paged_attention_triton(query, kv_cache, kernel.block_tables, kernel.seq_lens,
+                                      kernel.cu_num_query_tokens, meta.max_query_len, scale,
+                                      kernel.sliding_window)
     if kernel is not None and paged_attention_cpu_supports(query, kv_cache):
         return paged_attention_cpu(query.contiguous(), kv_cache, kernel.block_tables,
                                    kernel.seq_lens, kernel.cu_num_query_tokens, scale,

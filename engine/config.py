@@ -6,6 +6,8 @@ here: they come back as `KVCacheSpec`.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,10 @@ DTYPES: dict[str, torch.dtype] = {
     # float64 exists for tests: greedy ties can never flip on rounding there
     "float64": torch.float64,
 }
+# what runs attention, the norms, rotary and SiLU-and-multiply of a model on CUDA: "torch" = torch ops
+# and SDPA over a gathered copy of the context (measured on GPUs, docs/perf.md); "triton" =
+# specserve's Triton kernels (kernels/), tested under the interpreter and compiled for sm_90
+GPU_KERNELS = ("torch", "triton")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                  "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
 
@@ -33,6 +39,8 @@ class ModelConfig:
     max_model_len: int | None = None
     # torch intra-op threads on the CPU; None = leave torch's default
     num_threads: int | None = None
+    # one of GPU_KERNELS; "triton" on the CPU only under TRITON_INTERPRET=1 (tests)
+    gpu_kernels: str = "torch"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
@@ -45,6 +53,15 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.gpu_kernels not in GPU_KERNELS:
+            raise ValueError(f"gpu_kernels must be one of {', '.join(GPU_KERNELS)}, "
+                             f"got {self.gpu_kernels!r}")
+        if self.gpu_kernels == "triton":
+            if importlib.util.find_spec("triton") is None:
+                raise ValueError("gpu_kernels triton needs the triton package: pip install triton")
+            if self.torch_device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("gpu_kernels triton runs on CUDA devices (or on the CPU under "
+                                 "TRITON_INTERPRET=1, for tests)")
 
     @property
     def torch_device(self) -> torch.device:

@@ -22,6 +22,8 @@ class EngineArgs:
     kv_cache_memory_gib: float = 1.0
     num_kv_blocks: int | None = None
     num_threads: int | None = None
+    # "torch" or "triton": what runs attention and the per-layer ops on CUDA (engine/config.py)
+    gpu_kernels: str = "torch"
     # vLLM-style JSON text or dict (engine/spec_config.py); None or "none" = no speculation
     speculative_config: str | dict[str, Any] | None = None
 
@@ -30,7 +32,8 @@ class EngineArgs:
         spec = self.speculative_config
         return (
             ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
-                        max_model_len=self.max_model_len, num_threads=self.num_threads),
+                        max_model_len=self.max_model_len, num_threads=self.num_threads,
+                        gpu_kernels=self.gpu_kernels),
             CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory_gib,
                         num_blocks=self.num_kv_blocks),
             SchedulerConfig(max_num_seqs=self.max_num_seqs,

@@ -24,7 +24,8 @@ class ModelInputs:
 
 
 def build_model_inputs(output: SchedulerOutput, block_manager: BlockManager,
-                       sliding_window: int | None, device: torch.device) -> ModelInputs:
+                       sliding_window: int | None, device: torch.device,
+                       attention_backend: str = "auto") -> ModelInputs:
     token_ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, block_tables = [], [], []
@@ -39,7 +40,7 @@ def build_model_inputs(output: SchedulerOutput, block_manager: BlockManager,
         seq_lens.append(end)
         block_tables.append(block_manager.block_table(request.request_id))
     meta = build_attention_metadata(query_lens, seq_lens, block_tables, block_manager.block_size,
-                                    sliding_window, device)
+                                    sliding_window, device, attention_backend)
     return ModelInputs(
         input_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),

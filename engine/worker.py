@@ -47,7 +47,9 @@ class Worker:
         self.source = checkpoint.source
         self.hf_config = checkpoint.hf_config
         self.arch = LlamaArch.from_hf_config(checkpoint.hf_config)
-        self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device)
+        self.gpu_kernels = model_config.gpu_kernels
+        self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device,
+                                                      self.gpu_kernels)
         self.kv_spec = self._size_kv_cache(model_config, cache_config)
         self.kv_caches = allocate_kv_cache(self.arch, self.kv_spec.num_blocks,
                                            self.kv_spec.block_size, self.dtype, self.device)
@@ -74,7 +76,8 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, block_manager: BlockManager) -> ModelRunnerOutput:
-        inputs = build_model_inputs(output, block_manager, self.arch.sliding_window, self.device)
+        inputs = build_model_inputs(output, block_manager, self.arch.sliding_window, self.device,
+                                    "triton" if self.gpu_kernels == "triton" else "auto")
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches)
         rows = hidden[inputs.logits_indices]  # [rows, hidden]
         return ModelRunnerOutput(logits=self.model.compute_logits(rows), hidden=rows,

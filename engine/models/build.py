@@ -8,11 +8,13 @@ from engine.models.arch import LlamaArch
 from engine.models.cpu_linear import optimize_linears_for_cpu
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import Checkpoint
+from kernels import decoder_ops
 
 
-def build_model(checkpoint: Checkpoint, dtype: torch.dtype,
-                device: torch.device) -> tuple[LlamaForCausalLM, str]:
-    """The module in eval mode on `device`, and the name of the matmul backend it uses."""
+def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+                gpu_kernels: str = "torch") -> tuple[LlamaForCausalLM, str]:
+    """The module in eval mode on `device`, and the name of the kernels it uses (engine/config.py's
+    GPU_KERNELS for gpu_kernels)."""
     arch = LlamaArch.from_hf_config(checkpoint.hf_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
@@ -25,8 +27,15 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype,
     backend = "torch"
     if device.type == "cpu":
         backend = optimize_linears_for_cpu(model)
-        if model.use_fused_cpu_ops():
-            backend += " + fused-ops"
+    if gpu_kernels == "triton":
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"gpu_kernels triton takes float32, float16 or bfloat16, not {dtype}")
+        from kernels import fused_ops_triton
+        model.use_fused_ops(fused_ops_triton)
+        backend += " + triton attention and fused ops"
+    elif device.type == "cpu" and dtype == torch.float32 and decoder_ops.decoder_ops_available():
+        model.use_fused_ops(decoder_ops)
+        backend += " + fused-ops"
     return model.eval(), backend
 
 

@@ -2,11 +2,16 @@
 
 The forward takes explicit token ids, positions and attention metadata, so the target and a draft model in
 the same process never share hidden state. q/k/v and gate/up are fused into one matmul each.
+
+The torch ops below are the reference. `use_fused_ops` swaps in a set of fused per-layer ops with the
+same signatures: specserve's C++ ops for float32 on the CPU (`kernels/decoder_ops.py`) or its Triton
+kernels (`kernels/fused_ops_triton.py`); each is tested against these torch ops.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -14,11 +19,11 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.models.arch import LlamaArch
-from kernels import decoder_ops
 
 
 class RMSNorm(nn.Module):
-    fused_cpu_ops = False
+    # a fused-ops module (rms_norm, add_rms_norm, rotary_, silu_and_mul), or None for the torch ops
+    fused_ops = None
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -26,8 +31,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_cpu_ops and x.dim() == 2:
-            return decoder_ops.rms_norm(x, self.weight, self.eps)
+        if self.fused_ops is not None and x.dim() == 2:
+            return self.fused_ops.rms_norm(x, self.weight, self.eps)
         # NOTE: normalise in float32 and cast back before the weight, exactly as the Hugging Face reference
         # does (float64 test models included), so greedy tokens match it.
         xf = x.float()
@@ -58,8 +63,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    # float32 on the CPU: rotary in place through specserve's fused op (bit-identical to apply_rotary)
-    fused_cpu_ops = False
+    # with fused ops: rotary in place on q and k within the qkv rows
+    fused_ops = None
 
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
@@ -73,21 +78,21 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.fused_cpu_ops:
-            decoder_ops.rotary_(qkv, cos[:, 0], sin[:, 0], self.num_heads + self.num_kv_heads,
-                                self.head_dim)
+        if self.fused_ops is not None:
+            self.fused_ops.rotary_(qkv, cos[:, 0], sin[:, 0], self.num_heads + self.num_kv_heads,
+                                   self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvH, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if not self.fused_cpu_ops:
+        if self.fused_ops is None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(kv_cache, k, v, meta)
         return self.o_proj(paged_attention(q, kv_cache, meta, self.scale))  # [T, hidden]
 
 
 class MLP(nn.Module):
-    fused_cpu_ops = False
+    fused_ops = None
 
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
@@ -95,15 +100,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_cpu_ops:
-            return self.down_proj(decoder_ops.silu_and_mul(self.gate_up_proj(x)))
+        if self.fused_ops is not None:
+            return self.down_proj(self.fused_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    # float32 on the CPU: each norm one fused op, the second with the residual add before it
-    fused_cpu_ops = False
+    # with fused ops: each norm one op, the second with the residual add before it
+    fused_ops = None
 
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
@@ -114,10 +119,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        if self.fused_cpu_ops:
+        if self.fused_ops is not None:
             attended = self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
             norm = self.post_attention_layernorm
-            x, normed = decoder_ops.add_rms_norm(x, attended, norm.weight, norm.eps)
+            x, normed = self.fused_ops.add_rms_norm(x, attended, norm.weight, norm.eps)
             return x + self.mlp(normed)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -144,15 +149,11 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, kv_cache)
         return self.norm(x)
 
-    def use_fused_cpu_ops(self) -> bool:
-        """Switch a float32 CPU model to specserve's fused per-layer ops when they can be built."""
-        on_cpu_f32 = self.embed_tokens.weight.device.type == "cpu" and (
-            self.embed_tokens.weight.dtype == torch.float32)
-        enabled = on_cpu_f32 and decoder_ops.decoder_ops_available()
+    def use_fused_ops(self, fused_ops: ModuleType | None) -> None:
+        """Run every norm, rotary and SiLU-and-multiply through `fused_ops` (None: the torch ops)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, DecoderLayer, Attention, MLP)):
-                module.fused_cpu_ops = enabled
-        return enabled
+                module.fused_ops = fused_ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] (only the rows that sample) -> logits [num_rows, vocab]."""

@@ -23,10 +23,20 @@ def llm(tiny_llama) -> LLM:
     ({"max_model_len": 512, "num_kv_blocks": 4}, "KV cache holds"),
     ({"block_size": 12}, "power of two"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
+    ({"gpu_kernels": "cuda"}, "gpu_kernels must be one of torch, triton"),
 ])
 def test_bad_engine_settings(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_llama, **kwargs)
+
+
+def test_triton_kernels_need_a_gpu_or_the_interpreter(tiny_llama, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="runs on CUDA devices"):
+        LLM(tiny_llama, device="cpu", gpu_kernels="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="takes float32, float16 or bfloat16"):
+        LLM(tiny_llama, dtype="float64", gpu_kernels="triton")
 
 
 def test_unsupported_architecture_is_named(tmp_path):
