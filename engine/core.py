@@ -76,6 +76,8 @@ class EngineCore:
             raise ValueError("prompt must contain at least one token")
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab_size:  # NOTE: sorted by id
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 # top-N logprobs returned per token at most (OpenAI's own cap is 20)
@@ -10,6 +12,15 @@ MAX_LOGPROBS = 20
 # against each stop string over the last (longest stop) characters, so these bound that work
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# logit_bias entries per request at most (each costs work on every row of the request, every step)
+MAX_LOGIT_BIAS_ENTRIES = 300
+# bias added to a logit, at most this far from 0 either way (OpenAI's range; -100 bans in practice)
+MAX_LOGIT_BIAS = 100.0
+# frequency and presence penalties lie in [-2, 2] (OpenAI's range)
+MAX_PENALTY = 2.0
+# repetition_penalty lies in [1/100, 100]: far past any useful value, and a logit scaled by it stays
+# finite, so no row of probabilities can turn into NaN
+MAX_REPETITION_PENALTY = 100.0
 # seeds are in [0, SEED_RANGE): a torch generator takes 64-bit seeds, msgpack signed 64-bit ints
 SEED_RANGE = 2**63
 
@@ -46,12 +57,26 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # per-request speculation cap: None = the engine's k, 0 = no speculation for this request
     num_speculative_tokens: int | None = None
+    # ---- logits processing, applied at every position as if decoding one token at a time ----
+    # subtracted from a token's logit once if it occurs in the output so far (not the prompt)
+    presence_penalty: float = 0.0
+    # subtracted from a token's logit once per occurrence in the output so far (not the prompt)
+    frequency_penalty: float = 0.0
+    # tokens in the prompt or the output so far: a positive logit is divided by it, a negative one
+    # multiplied (vLLM / transformers); 1 = off
+    repetition_penalty: float = 1.0
+    # added to the logits of these token ids: ((token id, bias), ...) sorted by id; a mapping
+    # {token id: bias} or a list of pairs is accepted and normalised
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # after temperature, drop tokens less likely than min_p times the most likely one; 0 = off
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         # NOTE: accept lists and a lone string from callers; normalised once here, never changed later
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -81,6 +106,15 @@ class SamplingParams:
             raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                 f"got {getattr(self, name)}")
+        if not 1.0 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(f"repetition_penalty must be in [{1.0 / MAX_REPETITION_PENALTY:g}, "
+                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     @property
     def is_greedy(self) -> bool:
@@ -89,3 +123,36 @@ class SamplingParams:
     @property
     def top_k_or_none(self) -> int | None:
         return self.top_k if self.top_k > 0 else None
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the logits depend on the tokens so far (presence, frequency or repetition)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _logit_bias_pairs(bias: Mapping[int, float] | Iterable) -> tuple[tuple[int, float], ...]:
+    """logit_bias as ((token id, bias), ...) sorted by id, from a mapping or from pairs (msgpack
+    brings the tuple back as lists); bad ids, values or sizes are a ValueError naming logit_bias."""
+    try:
+        pairs = list(bias.items()) if isinstance(bias, Mapping) else [tuple(p) for p in bias]
+    except TypeError:
+        raise ValueError("logit_bias must map token ids to biases") from None
+    if len(pairs) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} "
+                         "are allowed")
+    normalised = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise ValueError("logit_bias must map token ids to biases")
+        token_id, value = pair
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {token_id!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}], got {value!r} for token {token_id}")
+        if token_id in normalised:
+            raise ValueError(f"logit_bias gives token {token_id} twice")
+        normalised[token_id] = float(value)
+    return tuple(sorted(normalised.items()))

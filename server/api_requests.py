@@ -19,7 +19,11 @@ from pydantic import (
 )
 
 from engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     SamplingParams,
@@ -32,6 +36,11 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 # cache_salt: long enough for any digest or tenant name, short enough to cost nothing
 MAX_CACHE_SALT_CHARS = 256
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
+LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
+# logit_bias keys: token ids written as decimal integers, as OpenAI's SDKs send them (JSON object
+# keys are strings); ten digits hold any vocabulary
+MAX_TOKEN_ID_DIGITS = 10
 
 
 class SpeculativeDecodingOptions(BaseModel):
@@ -55,12 +64,6 @@ class StreamOptions(BaseModel):
 
     # send one last chunk with `usage` (and `choices: []`) before [DONE]
     include_usage: bool = False
-
-
-def _reject_unless_neutral(value: float | None, neutral: float) -> None:
-    """Penalties change the output; ignoring them silently would be worse than a 400."""
-    if value is not None and value != neutral:
-        raise ValueError(f"not supported by specserve; only {neutral:g} is accepted")
 
 
 def _not_implemented(value: Any, *neutral: Any) -> Any:
@@ -92,12 +95,18 @@ class _GenerationRequest(BaseModel):
     # a lone string is normalised to a one-item list
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's ranges; applied at every position, drafts included (engine/sample/penalties.py)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    # {"token id": bias}; the server checks the ids against the vocabulary
+    logit_bias: Annotated[dict[str, LogitBias],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
     user: str | None = None
     # extensions (vLLM)
+    repetition_penalty: Annotated[float, Field(ge=1.0 / MAX_REPETITION_PENALTY,
+                                               le=MAX_REPETITION_PENALTY,
+                                               allow_inf_nan=False)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
@@ -120,24 +129,17 @@ class _GenerationRequest(BaseModel):
             raise ValueError("only allowed when stream is true")
         return options
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty_must_be_zero(cls, penalty: float | None) -> float | None:
-        _reject_unless_neutral(penalty, 0.0)
-        return penalty
-
-    @field_validator("repetition_penalty")
-    @classmethod
-    def _repetition_penalty_must_be_one(cls, penalty: float | None) -> float | None:
-        _reject_unless_neutral(penalty, 1.0)
-        return penalty
-
     @field_validator("logit_bias")
     @classmethod
-    def _logit_bias_must_be_empty(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias:
-            raise ValueError("not supported by specserve; only an empty one is accepted")
+    def _logit_bias_keys_are_token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                raise ValueError(f"keys must be token ids written as decimal integers, got {key!r}")
         return bias
+
+    @property
+    def logit_bias_token_ids(self) -> list[int]:
+        return [int(key) for key in self.logit_bias or {}]
 
     @property
     def include_usage(self) -> bool:
@@ -154,6 +156,12 @@ class _GenerationRequest(BaseModel):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "num_speculative_tokens": spec.num_speculative_tokens_cap if spec else None,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "min_p": self.min_p,
+            "logit_bias": None if self.logit_bias is None else {
+                int(key): value for key, value in self.logit_bias.items()},
         }
         # NOTE: unset fields fall back to SamplingParams' defaults, the one place defaults live
         kwargs = {name: value for name, value in given.items() if value is not None}

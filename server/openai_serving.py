@@ -168,6 +168,7 @@ class OpenAIServing:
                                 f"exceeds the context of {self.max_model_len} tokens",
                            param="max_tokens", code="context_length_exceeded")
         self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+        self._check_token_ids(body.logit_bias_token_ids, "logit_bias")
         spec = body.speculative_decoding
         if spec is not None and (spec.num_speculative_tokens or 0) > self.engine_k:
             raise ApiError(400, f"num_speculative_tokens {spec.num_speculative_tokens} is above "

@@ -7,8 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from engine.request import Request
-from engine.sample.metadata import banned_token_ids
-from engine.sample.sampler import request_probs, sample_one
+from engine.sample.sampler import process_request_logits, request_probs, sample_one
 from engine.step_layout import DraftProposal
 
 __all__ = ["DraftProposal", "Proposer", "model_draft_proposal", "sample_draft_token"]
@@ -41,16 +40,18 @@ class Proposer(ABC):
         """The request ended; drop anything kept for it. Default: nothing kept."""
 
 
-def sample_draft_token(logits: torch.Tensor, request: Request, offset: int) -> tuple[int, torch.Tensor]:
-    """A model-based proposer's draft token at draft position `offset` (0-based) and its q, transformed
-    exactly as the target's p will be (min_tokens masking, temperature, top-k, top-p): the rejection
-    sampler compares like with like. logits: [vocab]."""
-    banned = banned_token_ids(request, request.num_output_tokens + offset)
-    if banned:
-        logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))
-    if request.params.is_greedy:
+def sample_draft_token(logits: torch.Tensor, request: Request,
+                       draft_token_ids: list[int]) -> tuple[int, torch.Tensor]:
+    """A model-based proposer's next draft token after its earlier drafts `draft_token_ids` of this
+    proposal, and its q, transformed exactly as the target's p will be at that position (min_tokens
+    bans, logit_bias, penalties counting the output and those earlier drafts, temperature, min_p,
+    top-k, top-p): the rejection sampler compares like with like, and q is the distribution the
+    token was drawn from. logits: [vocab]."""
+    params = request.params
+    logits = process_request_logits(logits, request, draft_token_ids)
+    if params.is_greedy:
         return int(logits.argmax()), logits
-    q = request_probs(logits, request.params)  # [vocab]
+    q = request_probs(logits, params)  # [vocab]
     return sample_one(q, request.generator), q
 
 

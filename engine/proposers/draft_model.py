@@ -58,7 +58,7 @@ class DraftModelProposer(Proposer):
                 break
             logits = self._forward([requests[i] for i in batch], [drafts[i] for i in batch])
             for row, i in enumerate(batch):
-                token, q = sample_draft_token(logits[row], requests[i], len(drafts[i]))
+                token, q = sample_draft_token(logits[row], requests[i], drafts[i])
                 drafts[i].append(token)
                 probs[i].append(q)
             active = batch

@@ -105,7 +105,7 @@ class EagleProposer(Proposer):
                                           [drafts[i][-1] for i in active], last, step)
                 logits = self._logits(last)
                 for row, i in enumerate(active):
-                    token, q = sample_draft_token(logits[row], requests[i], step)
+                    token, q = sample_draft_token(logits[row], requests[i], drafts[i])
                     drafts[i].append(token)
                     probs[i].append(q)
         return [model_draft_proposal(request, drafts.get(i, []), probs.get(i, []))

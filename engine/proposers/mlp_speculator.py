@@ -121,7 +121,7 @@ class MLPSpeculatorProposer(Proposer):
                     torch.tensor(tokens, device=self.device)))
                 logits = self.lm_head(state)  # [rows, vocab]
                 for row, i in enumerate(active):
-                    token, q = sample_draft_token(logits[row], requests[i], stage)
+                    token, q = sample_draft_token(logits[row], requests[i], drafts[i])
                     tokens[row] = token
                     drafts[i].append(token)
                     probs[i].append(q)

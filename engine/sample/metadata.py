@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.sample.penalties import PenaltyMetadata
 
 
 @dataclass
@@ -41,6 +42,13 @@ class SamplingMetadata:
     # ---- logprobs: batch indices of the requests that want them, and top-N for each ----
     logprobs_requests: list[int]
     num_top_logprobs: list[int]
+    # ---- logits processing; each None when no request in the step uses it ----
+    # logit_bias at every row of its request: ([n] int64 rows, [n] int64 token ids, [n] float64)
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # presence / frequency / repetition penalties (engine/sample/penalties.py)
+    penalties: PenaltyMetadata | None = None
+    # [batch] float32: min_p of each request (0 = off; greedy requests 0)
+    min_p: torch.Tensor | None = None
 
     @classmethod
     def build(cls, requests: list[Request], num_drafts: list[int], logits_starts: list[int],
@@ -53,6 +61,12 @@ class SamplingMetadata:
         banned_rows: list[int] = []
         banned_ids: list[int] = []
         logprobs_requests, num_top = [], []
+        min_p: list[float] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        penalised: list[int] = []
+        draft_starts: list[int] = []
         draft_start = 0
         for index, (request, k, row) in enumerate(zip(requests, num_drafts, logits_starts)):
             params = request.params
@@ -75,11 +89,33 @@ class SamplingMetadata:
             if params.logprobs is not None:
                 logprobs_requests.append(index)
                 num_top.append(params.logprobs)
+            min_p.append(0.0 if params.is_greedy else params.min_p)
+            if params.logit_bias:
+                ids, values = zip(*params.logit_bias)
+                for offset in range(k + 1):
+                    bias_rows += [row + offset] * len(ids)
+                    bias_ids += ids
+                    bias_values += values
+            if params.has_penalties:
+                penalised.append(index)
+            draft_starts.append(draft_start)
             draft_start += k
         greedy_ints, top_k_t, rows_t, seeded_t, banned_rows_t, banned_ids_t = to_device(
             [is_greedy, top_k, request_of_row, seeded_index, banned_rows, banned_ids], torch.int64,
             device)
-        temperature_t, top_p_t = to_device([temperature, top_p], torch.float32, device)
+        has_min_p = any(p > 0.0 for p in min_p)
+        temperature_t, top_p_t, *min_p_t = to_device(
+            [temperature, top_p] + ([min_p] if has_min_p else []), torch.float32, device)
+        logit_bias = None
+        if bias_rows:
+            bias_rows_t, bias_ids_t = to_device([bias_rows, bias_ids], torch.int64, device)
+            [bias_values_t] = to_device([bias_values], torch.float64, device)
+            logit_bias = (bias_rows_t, bias_ids_t, bias_values_t)
+        penalties = None
+        if penalised:
+            penalties = PenaltyMetadata.build(
+                [requests[i] for i in penalised], [num_drafts[i] for i in penalised],
+                [logits_starts[i] for i in penalised], [draft_starts[i] for i in penalised], device)
         return cls(
             is_greedy=greedy_ints.bool(),
             temperature=temperature_t,
@@ -95,6 +131,9 @@ class SamplingMetadata:
             banned=(banned_rows_t, banned_ids_t) if banned_rows else None,
             logprobs_requests=logprobs_requests,
             num_top_logprobs=num_top,
+            logit_bias=logit_bias,
+            penalties=penalties,
+            min_p=min_p_t[0] if has_min_p else None,
         )
 
 

@@ -1,9 +1,10 @@
 """The one sampling path: every sampling request verifies its k drafts, and plain decoding is
 verification with k = 0 (the bonus token is then the sampled token).
 
-Per step, over all rows at once: min_tokens bans, argmax when any request is greedy (all a greedy
-request needs: no probabilities, no random numbers), then, when any is random, p (temperature, top-k,
-top-p with per-row tensors) and the uniforms; then kernels/ runs acceptance and the inverse-CDF draws of
+Per step, over all rows at once: min_tokens bans, logit_bias and penalties (each row counting the
+drafts before it as output, as if decoding one token at a time), argmax when any request is greedy
+(all a greedy request needs: no probabilities, no random numbers), then, when any is random, p
+(temperature, min_p, top-k, top-p with per-row tensors) and the uniforms; then kernels/ runs acceptance and the inverse-CDF draws of
 recovered and bonus tokens. Draft q
 comes from its proposer already transformed the same way. The vocabulary (accepted, recovered and bonus
 tokens, α, τ) is defined in kernels/rejection_reference.py.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.sample.logprobs import compute_logprobs
-from engine.sample.sampler import draw_uniforms, mask_banned_tokens, target_probs
+from engine.sample.sampler import draw_uniforms, process_logits, target_probs
 from engine.scheduler import SampledTokens
 from engine.step_layout import StepLayout
 from kernels import PLACEHOLDER_TOKEN_ID, rejection_sample
@@ -28,7 +29,7 @@ class RejectionSampler:
         if not layout.sampling:
             return []
         metadata = layout.sampling_metadata
-        masked = mask_banned_tokens(logits, metadata)  # [num_rows, vocab]
+        masked = process_logits(logits, metadata, layout.draft_token_ids)  # [num_rows, vocab]
         if metadata.has_greedy:
             target_argmax = masked.argmax(dim=-1)  # [num_rows]
         else:  # NOTE: random requests read it only at a row of p without mass (never after softmax)

@@ -1,16 +1,20 @@
 """Logits -> the target distribution p each row samples from, and the uniforms the draws use.
 
-Temperature, then top-k, then top-p, with per-row parameters applied to all rows at once (sampling
-metadata). Proposers transform their q with the same functions, so p and q are compared like with like.
-Every draw is an inverse CDF at one uniform; a seeded request draws its uniforms from its own CPU
-generator, so its tokens do not depend on what else is in the batch, nor on the device.
+In vLLM's order: min_tokens bans and logit_bias, then the penalties (engine/sample/penalties.py),
+then argmax for greedy requests or, for random ones, temperature, min_p, top-k and top-p, with
+per-row parameters applied to all rows at once (sampling metadata). Proposers transform their q
+with the same functions, so p and q are compared like with like. Every draw is an inverse CDF at
+one uniform; a seeded request draws its uniforms from its own CPU generator, so its tokens do not
+depend on what else is in the batch, nor on the device.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.sample.metadata import SamplingMetadata
+from engine.request import Request
+from engine.sample.metadata import SamplingMetadata, banned_token_ids
+from engine.sample.penalties import apply_penalties, penalize_request
 from engine.sampling_params import SamplingParams
 from kernels.rejection_reference import to_fixed_point
 
@@ -40,6 +44,14 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) the tokens less likely than min_p times each row's most likely token (vLLM),
+    compared in log space: logit - max < log(min_p). logits: [rows, vocab], tempered; min_p:
+    [rows], 0 = all."""
+    top = logits.amax(dim=-1, keepdim=True)  # [rows, 1]
+    return logits.masked_fill(logits - top < min_p.to(logits.dtype).log()[:, None], float("-inf"))
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
     """One set of parameters for every row: [vocab] or [rows, vocab] logits, already tempered."""
     rows = logits.reshape(-1, logits.shape[-1])  # [rows, vocab]
@@ -55,6 +67,8 @@ def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     the rejection sampler never reads them."""
     rows = metadata.request_of_row  # [num_rows]
     logits = logits.float() / metadata.temperature[rows, None]
+    if metadata.min_p is not None:
+        logits = apply_min_p(logits, metadata.min_p[rows])
     if metadata.max_top_k:
         logits = apply_top_k(logits, metadata.top_k[rows], metadata.max_top_k)
     if metadata.has_top_p:
@@ -63,8 +77,12 @@ def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
 
 
 def request_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One random request's distribution: [vocab] or [rows, vocab] float32 (proposers' q)."""
+    """One random request's distribution: [vocab] or [rows, vocab] float32 (proposers' q), from
+    logits already biased and penalised."""
     logits = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        rows = logits.reshape(-1, logits.shape[-1])  # [rows, vocab]
+        logits = apply_min_p(rows, rows.new_full((len(rows),), params.min_p)).reshape(logits.shape)
     return apply_top_k_top_p(logits, params.top_k_or_none, params.top_p).softmax(dim=-1)
 
 
@@ -92,6 +110,48 @@ def draw_uniforms(metadata: SamplingMetadata, num_draft_tokens: int, num_rows: i
                          for request, k in metadata.seeded])  # [sum(2k + 1)] on the CPU
         uniforms.index_copy_(0, metadata.seeded_uniform_index, own.to(device))
     return uniforms[:num_draft_tokens], uniforms[num_draft_tokens:]
+
+
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata,
+                   draft_token_ids: torch.Tensor) -> torch.Tensor:
+    """What every row's token choice starts from: min_tokens bans and logit_bias, then the
+    penalties, each row seeing the output so far up to its own position (its request's committed
+    output, then the drafts before the row). logits: [num_rows, vocab]; draft_token_ids:
+    [num_draft_tokens], the step's drafts. A step that uses none of these returns `logits` itself."""
+    logits = mask_banned_tokens(logits, metadata)
+    if metadata.logit_bias is None and metadata.penalties is None:
+        return logits
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # NOTE: a bias or penalty must not be lost to half precision
+    if metadata.logit_bias is not None:
+        rows, token_ids, values = metadata.logit_bias
+        logits = logits.index_put((rows, token_ids), values.to(logits.dtype), accumulate=True)
+    if metadata.penalties is not None:
+        logits = apply_penalties(logits, metadata.penalties, draft_token_ids)
+    return logits
+
+
+def process_request_logits(logits: torch.Tensor, request: Request,
+                           draft_token_ids: list[int]) -> torch.Tensor:
+    """process_logits for one request's one row [vocab] (a proposer's, for q), its output so far
+    being the committed output then `draft_token_ids`. Returns `logits` itself when nothing
+    applies."""
+    params = request.params
+    banned = banned_token_ids(request, request.num_output_tokens + len(draft_token_ids))
+    if banned:
+        logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))
+    if not params.logit_bias and not params.has_penalties:
+        return logits
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if params.logit_bias:
+        token_ids, values = zip(*params.logit_bias)
+        logits = logits.index_put((torch.tensor(token_ids, device=logits.device),),
+                                  torch.tensor(values, dtype=logits.dtype, device=logits.device),
+                                  accumulate=True)
+    if params.has_penalties:
+        logits = penalize_request(logits, request, draft_token_ids)
+    return logits
 
 
 def mask_banned_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

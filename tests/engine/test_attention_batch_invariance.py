@@ -1,6 +1,6 @@
 """End to end on the real embedded model in float32 (the CPU attention kernel's path): a request's
-greedy tokens and logprobs are the same alone, in a batch, and (tokens) with speculation, whose
-1 + k verification rows are attended exactly as the decode rows they replace."""
+greedy tokens and logprobs are the same alone, in a batch, and with speculation, whose 1 + k
+verification rows are attended exactly as the decode rows they replace."""
 
 from __future__ import annotations
 
@@ -41,8 +41,17 @@ def test_a_request_alone_equals_it_in_a_batch(llm, prompts):
         assert alone.logprobs == in_batch.logprobs  # bit for bit, not merely the same argmax
 
 
-def test_speculation_keeps_the_tokens(llm, prompts):
+@pytest.mark.parametrize("speculative_config", [
+    {"method": "ngram", "num_speculative_tokens": 4},
+    {"method": "suffix", "num_speculative_tokens": 8, "adaptive": True},  # the server's default
+], ids=["ngram", "adaptive_suffix"])
+def test_speculation_keeps_the_tokens_and_their_logprobs(llm, prompts, speculative_config):
+    """A verified token's logprobs come from its own verification row, which the kernels compute
+    as the decode row it replaces: equal bit for bit, top-N alternatives included."""
     speculative = LLM(None, dtype="float32", num_threads=2, max_model_len=256,
-                      speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
-    assert [o.outputs[0].token_ids for o in speculative.generate(prompts, GREEDY)] == plain
+                      speculative_config=speculative_config)
+    plain = [o.outputs[0] for o in llm.generate(prompts, GREEDY)]
+    outs = speculative.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [p.token_ids for p in plain]
+    assert [o.outputs[0].logprobs for o in outs] == [p.logprobs for p in plain]
+    assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 0

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from bigram_model import build_bigram_checkpoint
 from scipy.optimize import brentq
 from scipy.stats import chi2, ncx2
 
@@ -31,7 +32,6 @@ from engine import LLM, SamplingParams
 from kernels import rejection_sample_reference
 
 VOCAB = 4
-HIDDEN = 16
 # row a = logits of the next token after token a; each row has its own favourite and shape
 TARGET_LOGITS = [[2.0, 0.5, -0.5, 1.0],
                  [0.0, 1.8, 1.2, -1.0],
@@ -164,31 +164,7 @@ def transition_counts(token_rows: np.ndarray, last_prompt_token: int) -> np.ndar
     return np.bincount(pairs, minlength=VOCAB * VOCAB).reshape(VOCAB, VOCAB)
 
 
-# ---- the model --------------------------------------------------------------------------------
-def build_bigram_checkpoint(path, logits_table: list[list[float]]) -> str:
-    """A 1-layer Llama whose attention and MLP add nothing to the residual stream (o_proj and
-    down_proj are zero), so the logits at any position are lm_head(norm(embed(token there))): the
-    one-hot embedding of a picks column a of the LM head, which holds row a of the table (scaled
-    by 1/sqrt(hidden) to undo the RMS norm)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=128,
-        tie_word_embeddings=False, eos_token_id=0, bos_token_id=1)
-    model = transformers.LlamaForCausalLM(config)
-    table = torch.tensor(logits_table)  # [vocab (previous), vocab (next)]
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        model.model.embed_tokens.weight.zero_()
-        model.model.embed_tokens.weight[:, :VOCAB] = torch.eye(VOCAB)
-        model.lm_head.weight.zero_()
-        model.lm_head.weight[:, :VOCAB] = table.T / math.sqrt(HIDDEN)
-    model.save_pretrained(path)
-    return str(path)
-
-
+# ---- the model (tests/helpers/bigram_model.py) ---------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
 def restore_threads():
     """The LLMs here run on one thread (tiny tensors: OpenMP hand-offs cost more than they save on

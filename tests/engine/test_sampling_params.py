@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -32,6 +33,23 @@ from engine.sampling_params import (
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"seed": -1}, "seed"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": float("nan")}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 101.0}, "repetition_penalty"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {True: 1.0}}, "logit_bias"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias"),
+    ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {5: "1"}}, "logit_bias"),
+    ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias"),
+    ({"logit_bias": [(5, 1.0, 2.0)]}, "logit_bias"),
+    ({"logit_bias": 5}, "logit_bias"),
+    ({"logit_bias": dict.fromkeys(range(MAX_LOGIT_BIAS_ENTRIES + 1), 1.0)}, "logit_bias"),
 ])
 def test_invalid_value_names_the_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
@@ -69,6 +87,10 @@ def test_defaults_are_valid() -> None:
     {"logprobs": 0},
     {"logprobs": MAX_LOGPROBS},
     {"seed": 0},
+    {"presence_penalty": -2.0, "frequency_penalty": 2.0},
+    {"repetition_penalty": 0.01},
+    {"repetition_penalty": 100.0},
+    {"min_p": 1.0},
 ])
 def test_edge_values_are_accepted(kwargs: dict[str, object]) -> None:
     params = SamplingParams(**kwargs)
@@ -79,6 +101,35 @@ def test_edge_values_are_accepted(kwargs: dict[str, object]) -> None:
 @pytest.mark.parametrize("top_k, expected", [(0, None), (-1, None), (7, 7)])
 def test_top_k_or_none(top_k: int, expected: int | None) -> None:
     assert SamplingParams(top_k=top_k).top_k_or_none == expected
+
+
+@pytest.mark.parametrize("logit_bias", [
+    {7: -100, 3: 2.5},
+    [(3, 2.5), (7, -100.0)],
+    [[7, -100], [3, 2.5]],  # as msgpack brings the tuple back
+])
+def test_logit_bias_is_normalised_to_sorted_pairs(logit_bias) -> None:
+    assert SamplingParams(logit_bias=logit_bias).logit_bias == ((3, 2.5), (7, -100.0))
+
+
+def test_params_cross_the_process_boundary_unchanged() -> None:
+    """The server sends dataclasses.asdict(params) through msgpack; the engine rebuilds them."""
+    import dataclasses
+
+    import msgpack
+
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.2,
+                            logit_bias={50: -100, 2: 0.5}, min_p=0.1, stop=["x"], seed=3)
+    fields = msgpack.unpackb(msgpack.packb(dataclasses.asdict(params)), raw=False)
+    assert SamplingParams(**fields) == params
+    assert dataclasses.replace(params, n=1) == params
+
+
+def test_has_penalties() -> None:
+    assert not SamplingParams(logit_bias={1: 1.0}, min_p=0.5).has_penalties
+    for name, value in (("presence_penalty", 0.1), ("frequency_penalty", -0.1),
+                        ("repetition_penalty", 1.1)):
+        assert SamplingParams(**{name: value}).has_penalties
 
 
 def test_params_are_frozen() -> None:

@@ -80,6 +80,26 @@ CASES = [
      "vocabulary"),
     ("stop-token-id-huge", "completions", completion(stop_token_ids=[10**20]), JSON, 400,
      "stop_token_ids", "vocabulary"),
+    ("frequency-penalty-huge", "completions", completion(frequency_penalty=1e30), JSON, 400,
+     "frequency_penalty", "less than"),
+    ("presence-penalty-nan", "chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": NaN}', JSON, 400,
+     "presence_penalty", "finite"),
+    ("repetition-penalty-zero", "completions", completion(repetition_penalty=0), JSON, 400,
+     "repetition_penalty", "greater than"),
+    ("min-p-string", "completions", completion(min_p="0.1"), JSON, 400, "min_p", "number"),
+    ("logit-bias-list", "completions", completion(logit_bias=[1, 2]), JSON, 400, "logit_bias",
+     "dictionary"),
+    ("logit-bias-key-not-an-id", "completions", completion(logit_bias={"hello": 1}), JSON, 400,
+     "logit_bias", "decimal integers"),
+    ("logit-bias-key-huge", "completions", completion(logit_bias={"9" * 5000: 1}), JSON, 400,
+     "logit_bias", "decimal integers"),
+    ("logit-bias-id-beyond-vocab", "chat/completions", chat(logit_bias={"49152": 1}), JSON, 400,
+     "logit_bias", "vocabulary"),
+    ("logit-bias-value-huge", "completions", completion(logit_bias={"5": 1e300}), JSON, 400,
+     "logit_bias.5", "less than"),
+    ("logit-bias-too-many", "completions",
+     completion(logit_bias={str(i): 1 for i in range(1000)}), JSON, 400, "logit_bias", "at most"),
     ("spec-k-huge", "completions", completion(speculative_decoding={"num_speculative_tokens":
                                                                    10**30}),
      JSON, 400, "speculative_decoding.num_speculative_tokens", "above"),
@@ -133,6 +153,14 @@ def test_unknown_fields_are_ignored_live(server):
                           content=completion(frobnicate={"x": [1, 2]}, another_unknown=None))
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_penalties_logit_bias_and_min_p_are_served_live(server):
+    response = httpx.post(f"{server.api}/completions", headers=JSON, timeout=DEADLINE_S,
+                          content=completion(frequency_penalty=2, presence_penalty=-2,
+                                             repetition_penalty=1.5, min_p=0.5, temperature=1,
+                                             logit_bias={"5": -100, "7": 100}))
+    assert response.status_code == 200, response.text
 
 
 @pytest.mark.parametrize("method, path, status", [

@@ -15,6 +15,7 @@ from live_server import LiveServer
 from openai_errors import assert_openai_error
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
+from tiny_chat_model import VOCAB_SIZE
 
 MAX_MODEL_LEN = 512
 # the server answers fast only if generated requests ask for little: larger values are kept to
@@ -58,16 +59,14 @@ def keep_small(body: dict) -> None:
 
 
 def meet_rules_beyond_the_schema(body: dict) -> None:
-    """Rules the validators add to the schema (penalties must be neutral, no logit_bias, prompts
-    and user messages not empty, top_logprobs needs logprobs, stream_options needs stream)
+    """Rules the validators add to the schema (logit_bias keys are token ids of the vocabulary,
+    prompts and user messages not empty, top_logprobs needs logprobs, stream_options needs stream)
     reject most schema-valid requests; fixing only values of the types the schema asks for lets
     valid requests reach the engine, while invalid parts stay invalid."""
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0),
-                          ("repetition_penalty", 1)):
-        if is_number(body.get(name)):
-            body[name] = neutral
     if isinstance(body.get("logit_bias"), dict):
-        body["logit_bias"] = {}
+        body["logit_bias"] = {key: value for key, value in body["logit_bias"].items()
+                              if key.isascii() and key.isdigit() and len(key) <= 10
+                              and int(key) < VOCAB_SIZE}
     prompt = body.get("prompt")
     if prompt in ("", []):
         body["prompt"] = "Hello"

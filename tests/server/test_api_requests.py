@@ -1,5 +1,6 @@
 """server/api_requests.py: requests fail with errors naming the field, refuse what specserve does not
-implement unless neutral, and map onto SamplingParams (responses: test_api_responses.py)."""
+implement unless neutral, and map onto SamplingParams, penalties, logit_bias and min_p included
+(responses: test_api_responses.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from engine.sampling_params import (
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
@@ -103,17 +105,45 @@ def test_non_text_content_part_says_what_is_supported() -> None:
         chat(messages=[{"role": "user", "content": [image]}])
 
 
-@pytest.mark.parametrize("name, value", [
-    ("presence_penalty", 0.5),
-    ("frequency_penalty", -1.0),
-    ("repetition_penalty", 1.2),
-    ("logit_bias", {"50256": -100.0}),
+@pytest.mark.parametrize("fields, expected", [
+    ({"presence_penalty": 0.5}, {"presence_penalty": 0.5}),
+    ({"frequency_penalty": -1}, {"frequency_penalty": -1.0}),
+    ({"repetition_penalty": 1.2}, {"repetition_penalty": 1.2}),
+    ({"min_p": 0.05}, {"min_p": 0.05}),
+    ({"logit_bias": {"50256": -100, "7": 2.5}}, {"logit_bias": ((7, 2.5), (50256, -100.0))}),
+    ({"presence_penalty": 2, "frequency_penalty": -2, "repetition_penalty": 100, "min_p": 1},
+     {"presence_penalty": 2.0, "frequency_penalty": -2.0, "repetition_penalty": 100.0,
+      "min_p": 1.0}),
 ])
-def test_output_changing_options_are_unsupported(name: str, value: Any) -> None:
+def test_penalties_logit_bias_and_min_p_reach_sampling_params(fields: dict[str, Any],
+                                                              expected: dict[str, Any]) -> None:
     for build in (completion, chat):
-        with pytest.raises(ValidationError, match="not supported by specserve") as caught:
-            build(**{name: value})
-        assert caught.value.errors()[0]["loc"] == (name,)
+        params = build(**fields).to_sampling_params(64)
+        for name, value in expected.items():
+            assert getattr(params, name) == value, name
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": "0.5"}, "presence_penalty"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": 1000}, "repetition_penalty"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.01}, "min_p"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"-5": 1}}, "logit_bias"),
+    ({"logit_bias": {"1" * 11: 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    ({"logit_bias": [5]}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}}, "logit_bias"),
+])
+def test_bad_penalty_or_logit_bias_is_named(fields: dict[str, Any], param: str) -> None:
+    for build in (completion, chat):
+        with pytest.raises(ValidationError) as caught:
+            build(**fields)
+        assert ErrorResponse.from_validation_errors(caught.value.errors()).error.param == param
 
 
 @pytest.mark.parametrize("fields", [

@@ -135,6 +135,31 @@ def test_chat_logprobs(plain):
     assert "".join(t.token for t in content) == out.choices[0].message.content
 
 
+def streamed_logprobs(client: openai.OpenAI, **kw) -> list[tuple]:
+    """Every streamed token's (text, logprob, top-2 alternatives), in order."""
+    chunks = chat(client, COPY_PROMPT, max_tokens=40, temperature=0, logprobs=True,
+                  top_logprobs=2, stream=True, **kw)
+    return [(t.token, t.logprob, [(a.token, a.logprob) for a in t.top_logprobs])
+            for c in chunks if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.content]
+
+
+def test_logprobs_are_identical_with_and_without_speculation(plain, spec, default):
+    """Greedy, streamed: each token's logprob and top alternatives over HTTP are the same numbers
+    with n-gram and with the default speculation as without (a verified token's logprobs come
+    from its own verification row); completions without a stream too."""
+    want = streamed_logprobs(sdk(plain))
+    assert len(want) >= 20  # EOS may come first
+    assert streamed_logprobs(sdk(spec, KEY)) == want
+    assert streamed_logprobs(sdk(default)) == want
+    kw = {"model": MODEL, "prompt": "apple, banana, cherry, date, apple, banana, cherry, date, apple,",
+          "max_tokens": 24, "temperature": 0, "logprobs": 3}
+    plain_out = sdk(plain).completions.create(**kw).choices[0].logprobs
+    spec_out = sdk(spec, KEY).completions.create(**kw)
+    assert spec_out.choices[0].logprobs == plain_out
+    assert spec_out.model_extra["metrics"]["speculative_decoding"]["num_accepted_draft_tokens"] > 0
+
+
 def test_per_request_speculation_control(spec):
     client = sdk(spec, KEY)
     off = chat(client, COPY_PROMPT, max_tokens=24, temperature=0,
