@@ -14,6 +14,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.messages import StepStats
 from engine.proposers import Proposer, build_proposer
 from engine.request import Request
+from engine.sample.grammar import cut_drafts_at_grammar
 from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import (
@@ -24,7 +25,8 @@ from engine.scheduler import (
     SchedulerOutput,
 )
 from engine.spec_config import SpeculativeConfig
-from engine.step_layout import DraftTokens, StepLayout
+from engine.step_layout import DraftProposal, DraftTokens, StepLayout
+from engine.structured import GrammarCompiler, GrammarState
 from engine.worker import Worker
 
 
@@ -63,6 +65,8 @@ class EngineCore:
                                   self.sampler, min(scheduler_config.max_num_batched_tokens,
                                                     self.worker.kv_spec.max_model_len))
         self.eos_token_ids = frozenset(self.worker.arch.eos_token_ids)
+        # response_format grammars for this tokenizer, built at the first request that has one
+        self._grammar_compiler: GrammarCompiler | None = None
         self.totals = EngineTotals()
         # what the last step did, for the metrics exporter
         self.last_step_stats = StepStats()
@@ -80,8 +84,22 @@ class EngineCore:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab_size})")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise TypeError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
-        self.scheduler.add_request(Request(request_id, list(prompt_token_ids), params,
-                                           self.eos_token_ids, cache_salt=cache_salt))
+        request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
+                          cache_salt=cache_salt)
+        if params.response_format is not None:
+            request.grammar = self._grammar_state(params.response_format)
+        self.scheduler.add_request(request)
+
+    def _grammar_state(self, response_format_key: str) -> GrammarState:
+        """A fresh grammar state for a request's format (compiled once per format, LRU-cached);
+        an unenforceable schema raises UnsupportedSchemaError, a ValueError."""
+        if self._grammar_compiler is None:
+            if self.worker.tokenizer is None:
+                raise ValueError("response_format needs the model's tokenizer, and this model "
+                                 "was loaded without one")
+            self._grammar_compiler = GrammarCompiler(self.worker.tokenizer, self.eos_token_ids)
+        return self._grammar_compiler.compile_key(response_format_key).new_state(
+            self.eos_token_ids)
 
     def abort(self, request_ids: list[str]) -> list[RequestUpdate]:
         updates = [u for u in map(self.scheduler.abort, request_ids) if u is not None]
@@ -146,18 +164,26 @@ class EngineCore:
         target_hidden = hidden[torch.tensor([row_of[r.request_id] for r in requests],
                                             device=hidden.device)]
         if self.adaptive is None:
-            proposals = self.proposer.propose(requests, caps, target_hidden)
+            proposals = self._propose(requests, caps, target_hidden)
         elif self.proposer.drafts_for_free:
             # draft first: the policy then weighs the drafts that exist, and trims them
-            proposals = self.proposer.propose(requests, caps, target_hidden)
+            proposals = self._propose(requests, caps, target_hidden)
             caps = self._choose_ks(requests, [len(p.token_ids) for p in proposals])
             proposals = [p.first(cap) for p, cap in zip(proposals, caps)]
         else:
             caps = self._choose_ks(requests, caps)
-            proposals = self.proposer.propose(requests, caps, target_hidden)
+            proposals = self._propose(requests, caps, target_hidden)
         self.scheduler.update_draft_token_ids(
             DraftTokens({r.request_id: p for r, p in zip(requests, proposals)}))
         return [DraftChoice(r, cap) for r, cap in zip(requests, caps)]
+
+    def _propose(self, requests: list[Request], caps: list[int],
+                 target_hidden: torch.Tensor) -> list[DraftProposal]:
+        """The proposer's drafts, each cut where its request's grammar (if any) rejects it."""
+        proposals = self.proposer.propose(requests, caps, target_hidden)
+        if any(r.grammar is not None for r in requests):
+            proposals = cut_drafts_at_grammar(requests, proposals)
+        return proposals
 
     def _choose_ks(self, requests: list[Request], caps: list[int]) -> list[int]:
         return self.adaptive.choose(requests, caps,

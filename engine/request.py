@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
+
+if TYPE_CHECKING:
+    from engine.structured import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +68,8 @@ class Request:
     # (suffix decoding's output cache) is shared only between requests with the same salt; None
     # belongs to no tenant and shares with nobody
     cache_salt: str | None = None
+    # structured output: where the committed output stands in its grammar (None = free text)
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # top-N logprobs returned per token at most (OpenAI's own cap is 20)
 MAX_LOGPROBS = 20
@@ -70,6 +71,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # after temperature, drop tokens less likely than min_p times the most likely one; 0 = off
     min_p: float = 0.0
+    # structured output: the canonical key of a ResponseFormat (engine/structured/), None = free
+    # text; an OpenAI `response_format` dict (or a ResponseFormat) is accepted and normalised
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         # NOTE: accept lists and a lone string from callers; normalised once here, never changed later
@@ -77,6 +81,10 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", _logit_bias_pairs(self.logit_bias))
+        object.__setattr__(self, "response_format", _response_format_key(self.response_format))
+        if self.response_format is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with response_format: the grammar may "
+                             "end the output before min_tokens, where only EOS is allowed")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -156,3 +164,14 @@ def _logit_bias_pairs(bias: Mapping[int, float] | Iterable) -> tuple[tuple[int, 
             raise ValueError(f"logit_bias gives token {token_id} twice")
         normalised[token_id] = float(value)
     return tuple(sorted(normalised.items()))
+
+
+def _response_format_key(value: Any) -> str | None:
+    """A response format as the key the engine compiles (engine/structured/), from an OpenAI
+    `response_format` dict, a ResponseFormat, or a key already (what crosses the process queue)."""
+    from engine.structured.response_format import ResponseFormat, parse_response_format
+
+    if value is None or isinstance(value, str):
+        return value
+    fmt = value if isinstance(value, ResponseFormat) else parse_response_format(value)
+    return None if fmt is None else fmt.key

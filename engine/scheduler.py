@@ -242,6 +242,8 @@ class Scheduler:
                 update.finish_reason, update.stop_reason = self._check_stop(request, token_id)
                 if update.finish_reason is not None:
                     break
+            if request.grammar is not None:
+                request.grammar.commit(update.new_token_ids)
             request.spec_stats.observe(item.num_draft_tokens, num_accepted,
                                        len(update.new_token_ids))
             updates.append(update)

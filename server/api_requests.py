@@ -28,6 +28,7 @@ from engine.sampling_params import (
     MAX_STOP_STRINGS,
     SamplingParams,
 )
+from engine.structured import ResponseFormat, check_response_format
 
 # NOTE: token ids get no upper bound here; the server checks them against the vocabulary
 TokenId = Annotated[int, Field(ge=0)]
@@ -115,6 +116,15 @@ class _GenerationRequest(BaseModel):
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # specserve extra
     speculative_decoding: SpeculativeDecodingOptions | None = None
+    # {"type": "text" | "json_object" | "json_schema", ...}: JSON output enforced by a grammar at
+    # every position, drafts included (engine/structured/); parsed here, so a bad or unenforceable
+    # schema is a 400 before the request reaches the engine
+    response_format: Any = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format_is_enforceable(cls, response_format: Any) -> ResponseFormat | None:
+        return check_response_format(response_format)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -162,6 +172,7 @@ class _GenerationRequest(BaseModel):
             "min_p": self.min_p,
             "logit_bias": None if self.logit_bias is None else {
                 int(key): value for key, value in self.logit_bias.items()},
+            "response_format": None if self.response_format is None else self.response_format.key,
         }
         # NOTE: unset fields fall back to SamplingParams' defaults, the one place defaults live
         kwargs = {name: value for name, value in given.items() if value is not None}
@@ -270,17 +281,11 @@ class ChatCompletionRequest(_GenerationRequest):
     # NOTE: logprobs comes before top_logprobs: the latter's validator reads it
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    # not implemented: 400 unless neutral (a later issue brings JSON output; tool calls are not planned)
-    response_format: Any = None
+    # not implemented: 400 unless neutral (tool calls are not planned)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-
-    @field_validator("response_format")
-    @classmethod
-    def _response_format_must_be_text(cls, response_format: Any) -> Any:
-        return _not_implemented(response_format, {"type": "text"})
 
     @field_validator("tools", "functions")
     @classmethod

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.sample.grammar import mask_step_logits
 from engine.sample.logprobs import compute_logprobs
 from engine.sample.sampler import draw_uniforms, process_logits, target_probs
 from engine.scheduler import SampledTokens
@@ -29,7 +30,9 @@ class RejectionSampler:
         if not layout.sampling:
             return []
         metadata = layout.sampling_metadata
-        masked = process_logits(logits, metadata, layout.draft_token_ids)  # [num_rows, vocab]
+        # NOTE: grammar masks first, on a copy: logprobs come from the raw logits
+        masked = process_logits(mask_step_logits(logits, layout), metadata,
+                                layout.draft_token_ids)  # [num_rows, vocab]
         if metadata.has_greedy:
             target_argmax = masked.argmax(dim=-1)  # [num_rows]
         else:  # NOTE: random requests read it only at a row of p without mass (never after softmax)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
+from engine.sample.grammar import mask_request_logits
 from engine.sample.metadata import SamplingMetadata, banned_token_ids
 from engine.sample.penalties import apply_penalties, penalize_request
 from engine.sampling_params import SamplingParams
@@ -137,6 +138,7 @@ def process_request_logits(logits: torch.Tensor, request: Request,
     being the committed output then `draft_token_ids`. Returns `logits` itself when nothing
     applies."""
     params = request.params
+    logits = mask_request_logits(logits, request, draft_token_ids)
     banned = banned_token_ids(request, request.num_output_tokens + len(draft_token_ids))
     if banned:
         logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))

@@ -4,6 +4,7 @@ implement unless neutral, and map onto SamplingParams, penalties, logit_bias and
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -164,8 +165,6 @@ def test_unknown_fields_are_ignored() -> None:
 @pytest.mark.parametrize("build, name, value", [
     (completion, "best_of", 2),
     (completion, "suffix", "!"),
-    (chat, "response_format", {"type": "json_object"}),
-    (chat, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     (chat, "tools", [{"type": "function", "function": {"name": "f"}}]),
     (chat, "tool_choice", "required"),
     (chat, "tool_choice", {"type": "function", "function": {"name": "f"}}),
@@ -186,6 +185,28 @@ def test_unimplemented_fields_are_refused_unless_neutral(build, name: str, value
 ])
 def test_neutral_values_of_unimplemented_fields_are_accepted(build, fields: dict[str, Any]) -> None:
     build(**fields)
+
+
+@pytest.mark.parametrize("build", [chat, completion])
+def test_response_format_reaches_sampling_params_as_its_key(build) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    request = build(response_format={"type": "json_schema",
+                                     "json_schema": {"name": "x", "schema": schema}})
+    key = request.to_sampling_params(64).response_format
+    assert json.loads(key) == {"type": "json_schema", "schema": schema}
+    assert build(response_format={"type": "text"}).to_sampling_params(64).response_format is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"type": "xml"}, "type"),
+    ({"type": "json_schema"}, "json_schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"uniqueItems": True}}},
+     "cannot be enforced"),
+])
+def test_bad_response_formats_are_refused_naming_the_field(value, message: str) -> None:
+    with pytest.raises(ValidationError, match=message) as caught:
+        chat(response_format=value)
+    assert caught.value.errors()[0]["loc"] == ("response_format",)
 
 
 def test_json_integers_are_valid_floats() -> None:

@@ -1,0 +1,157 @@
+"""response_format in the engine, with every proposer: outputs always parse and match their schema,
+greedy output is token-identical with and without speculation, and the draft's q is masked as p is.
+
+The target is a tiny random Llama with the embedded model's tokenizer: its tokens are noise, so only
+the grammar makes the output JSON. The schemas bound every string, number and array, so each output
+ends within max_tokens (whitespace between JSON tokens is capped by the grammar)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+import transformers
+from tiny_chat_model import build_tiny_chat_checkpoint
+
+from engine import LLM, SamplingParams
+from engine.models.arch import LlamaArch
+from engine.models.loader import load_checkpoint
+from engine.proposers.eagle_head import EagleConfig, EagleHead
+from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.request import Request
+from engine.sample.grammar import cut_drafts_at_grammar
+from engine.step_layout import DraftProposal
+from engine.structured import GrammarCompiler, UnsupportedSchemaError, parse_response_format
+
+SCHEMAS = {
+    "person": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "admin": {"type": "boolean"}},
+        "required": ["name", "age", "admin"], "additionalProperties": False},
+    "order": {"type": "object", "properties": {
+        "status": {"enum": ["new", "paid", "shipped"]},
+        "items": {"type": "array", "maxItems": 3, "items": {
+            "type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"},
+                                             "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "qty"], "additionalProperties": False}}},
+        "required": ["status", "items"], "additionalProperties": False},
+    "choice": {"anyOf": [{"type": "boolean"}, {"$ref": "#/$defs/small"}],
+               "$defs": {"small": {"type": "integer", "minimum": -5, "maximum": 5}}},
+}
+PROMPTS = ["Reply in JSON.", "Describe an order.", "Pick one."]
+MAX_TOKENS = 160
+METHODS = ["ngram", "suffix", "draft_model", "eagle", "mlp_speculator"]
+
+
+def formats() -> list[dict]:
+    return [{"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+            for name, schema in SCHEMAS.items()]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return build_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
+
+
+@pytest.fixture(scope="module")
+def speculative_configs(target, tmp_path_factory) -> dict[str, dict]:
+    arch = LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+    torch.manual_seed(0)
+    eagle = str(tmp_path_factory.mktemp("eagle"))
+    head = EagleHead(EagleConfig.for_target(arch, arch.vocab_size), arch)
+    head.draft_token_ids.copy_(torch.arange(arch.vocab_size))
+    head.save(eagle)
+    mlp = str(tmp_path_factory.mktemp("mlp"))
+    MLPSpeculator(MLPSpeculatorConfig(arch.hidden_size, arch.vocab_size, 3)).save(mlp)
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                  "prompt_lookup_max": 3},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 8, "adaptive": True},
+        # the target as its own draft: q is p, so a masked q is accepted every time
+        "draft_model": {"method": "draft_model", "model": target, "num_speculative_tokens": 3},
+        "eagle": {"method": "eagle", "model": eagle, "num_speculative_tokens": 3},
+        "mlp_speculator": {"method": "mlp_speculator", "model": mlp, "num_speculative_tokens": 3},
+    }
+
+
+def engine(target: str, speculative_config: dict | None = None) -> LLM:
+    return LLM(target, dtype="float32", max_model_len=512, num_kv_blocks=256,
+               speculative_config=speculative_config)
+
+
+def run(llm: LLM, temperature: float) -> list:
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=MAX_TOKENS,
+                             response_format=fmt) for i, fmt in enumerate(formats())]
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params)
+    llm.last_spec_stats = [o.spec_stats for o in outs]
+    return [o.outputs[0] for o in outs]
+
+
+def assert_valid(outputs: list) -> None:
+    for output, schema in zip(outputs, SCHEMAS.values()):
+        assert output.finish_reason == "stop", output.text
+        jsonschema.validate(json.loads(output.text), schema)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(target) -> list:
+    outputs = run(engine(target), 0.0)
+    assert_valid(outputs)
+    return outputs
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_outputs_match_their_schema_and_greedy_keeps_the_tokens(target, speculative_configs,
+                                                                 plain_greedy, method):
+    llm = engine(target, speculative_configs[method])
+    greedy = run(llm, 0.0)
+    assert [o.token_ids for o in greedy] == [o.token_ids for o in plain_greedy]
+    drafted = sum(s.num_draft_tokens for s in llm.last_spec_stats)
+    accepted = sum(s.num_accepted_draft_tokens for s in llm.last_spec_stats)
+    sampled = run(llm, 1.0)
+    assert_valid(sampled)
+    drafted += sum(s.num_draft_tokens for s in llm.last_spec_stats)
+    accepted += sum(s.num_accepted_draft_tokens for s in llm.last_spec_stats)
+    assert drafted > 0
+    if method == "draft_model":
+        # q masked exactly as p: every sampled and greedy draft accepted
+        assert accepted == drafted
+
+
+def test_a_draft_is_cut_where_the_grammar_rejects_it(target):
+    """Deterministic drafts (n-gram, suffix, a greedy request's) end before the first token the
+    grammar rejects; a sampled draft keeps that token, which verification then rejects for sure
+    (p(x) = 0 under the mask) and replaces from norm(max(0, p - q)), as lossless sampling needs."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(target)
+    compiler = GrammarCompiler(tokenizer, [2])
+    fmt = parse_response_format(formats()[0])
+    valid = tokenizer.encode('{"name": "ab", "age"', add_special_tokens=False)
+    draft = valid[:3] + tokenizer.encode(" hello", add_special_tokens=False)[:1] + valid[3:5]
+    q = torch.full((len(draft), len(tokenizer)), 1.0 / len(tokenizer))
+
+    def request(temperature: float) -> Request:
+        params = SamplingParams(temperature=temperature, response_format=fmt)
+        return Request("r", [1], params, frozenset([2]), grammar=compiler.new_state(fmt))
+
+    one_hot, sampled, greedy_q, none_valid = cut_drafts_at_grammar(
+        [request(1.0), request(1.0), request(0.0), request(1.0)],
+        [DraftProposal(draft), DraftProposal(draft, q), DraftProposal(draft, q),
+         DraftProposal(draft[3:4])])
+    assert one_hot.token_ids == draft[:3] and one_hot.probs is None
+    assert sampled.token_ids == draft[:4] and torch.equal(sampled.probs, q[:4])
+    assert greedy_q.token_ids == draft[:3]
+    assert none_valid.token_ids == [] and none_valid.probs is None
+
+
+def test_unsupported_schemas_and_combinations_are_refused(target):
+    llm = engine(target)
+    unsupported = {"type": "json_schema",
+                   "json_schema": {"name": "u", "schema": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(UnsupportedSchemaError, match="uniqueItems"):
+        llm.generate(["x"], SamplingParams(response_format=unsupported))
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(min_tokens=2, response_format={"type": "json_object"})
+    assert SamplingParams(response_format={"type": "text"}).response_format is None
