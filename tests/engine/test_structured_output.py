@@ -24,6 +24,7 @@ from engine.request import Request
 from engine.sample.grammar import cut_drafts_at_grammar
 from engine.step_layout import DraftProposal
 from engine.structured import GrammarCompiler, UnsupportedSchemaError, parse_response_format
+from kernels.rejection_reference import rejection_sample as rejection_sample_reference
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {
@@ -155,3 +156,58 @@ def test_unsupported_schemas_and_combinations_are_refused(target):
     with pytest.raises(ValueError, match="min_tokens cannot be combined"):
         SamplingParams(min_tokens=2, response_format={"type": "json_object"})
     assert SamplingParams(response_format={"type": "text"}).response_format is None
+
+
+class InvalidTokens:
+    """A grammar stand-in that rejects the given token ids anywhere (for the statistics below)."""
+
+    def __init__(self, invalid: set[int]) -> None:
+        self.invalid = invalid
+
+    def valid_draft_prefix(self, draft: list[int]) -> int:
+        return next((i for i, t in enumerate(draft) if t in self.invalid), len(draft))
+
+
+@pytest.mark.parametrize("cut_rule", ["engine", "cut_before_sampled"])
+def test_the_cut_rule_keeps_sampling_lossless(cut_rule):
+    """Drafts x ~ q where q puts half its mass on tokens the grammar forbids (p = 0 there), cut by
+    cut_drafts_at_grammar, then verified by the rejection sampler: the first emitted token must
+    follow p. The engine's rule (a sampled draft keeps its first rejected token) passes; cutting a
+    sampled draft before that token, as for one-hot drafts, draws from p exactly where q was
+    invalid and must fail (expected first-token law [0.15, 0.23, 0.27, 0.35] against p's
+    [0.1, 0.2, 0.3, 0.4])."""
+    chisquare = pytest.importorskip("scipy.stats").chisquare
+    num_rows = 20_000
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0, 0.0])  # masked: 4 and 5 are invalid
+    q = torch.tensor([0.3, 0.1, 0.05, 0.05, 0.25, 0.25])
+    draws = torch.multinomial(q, num_rows, replacement=True, generator=gen).tolist()
+    grammar = InvalidTokens({4, 5})
+    if cut_rule == "engine":
+        requests = [Request(str(i), [1], SamplingParams(temperature=1.0), frozenset([2]),
+                            grammar=grammar) for i in range(num_rows)]
+        proposals = cut_drafts_at_grammar(requests, [DraftProposal([x], q[None]) for x in draws])
+    else:  # the wrong rule: drop the first rejected token of a sampled draft too
+        proposals = [DraftProposal([x], q[None]) if x < 4 else DraftProposal([]) for x in draws]
+    num_drafts = [len(proposal.token_ids) for proposal in proposals]
+    kept = [t for proposal in proposals for t in proposal.token_ids]
+    num_rows_total = len(kept) + num_rows
+    out = rejection_sample_reference(
+        draft_token_ids=torch.tensor(kept, dtype=torch.int64),
+        cu_num_draft_tokens=torch.tensor(num_drafts).cumsum(0),
+        draft_probs=q.expand(len(kept), -1).contiguous(),
+        target_probs=p.expand(num_rows_total, -1).contiguous(),
+        target_argmax=torch.zeros(num_rows_total, dtype=torch.int64),
+        is_greedy=torch.zeros(num_rows, dtype=torch.bool),
+        acceptance_uniforms=torch.rand(len(kept), generator=gen, dtype=torch.float64),
+        sample_uniforms=torch.rand(num_rows_total, generator=gen, dtype=torch.float64),
+        max_spec_len=1)
+    first = out[:, 0]
+    assert not (first >= 4).any()  # a forbidden token is never emitted, under either rule
+    counts = torch.bincount(first, minlength=4)[:4].double()
+    expected = p[:4].double() / p[:4].double().sum() * counts.sum()
+    pvalue = chisquare(counts.numpy(), expected.numpy()).pvalue
+    if cut_rule == "engine":
+        assert pvalue > 1e-3
+    else:
+        assert pvalue < 1e-9
