@@ -102,6 +102,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # requests allowed to wait before new ones are refused (the server answers 429)
     max_waiting_requests: int = 1024
+    # reuse the K/V of full blocks of a prefix computed before, within a tenant (cache_salt);
+    # off by default until the prefix-caching issue is finished (metrics, usage, EAGLE)
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -58,6 +58,10 @@ class EngineCore:
         self.speculative_config = speculative_config
         self.proposer: Proposer | None = (
             None if speculative_config is None else build_proposer(speculative_config, self.worker))
+        if self.proposer is not None and self.proposer.needs_committed_hidden:
+            # NOTE: EAGLE reads the target's features at every committed position, and a cached
+            # prefix has none (not computed): no prefix caching beside it, for now
+            self.scheduler.block_manager.enable_prefix_caching = False
         self.adaptive: AdaptiveSpeculation | None = None
         if speculative_config is not None and speculative_config.adaptive:
             self.adaptive = AdaptiveSpeculation()

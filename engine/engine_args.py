@@ -22,6 +22,8 @@ class EngineArgs:
     kv_cache_memory_gib: float = 1.0
     num_kv_blocks: int | None = None
     num_threads: int | None = None
+    # reuse cached prefix blocks within a tenant (engine/block_manager.py); off until issue 18 ends
+    enable_prefix_caching: bool = False
     # "torch" or "triton": what runs attention and the per-layer ops on CUDA (engine/config.py)
     gpu_kernels: str = "torch"
     # vLLM-style JSON text or dict (engine/spec_config.py); None or "none" = no speculation
@@ -37,6 +39,7 @@ class EngineArgs:
             CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory_gib,
                         num_blocks=self.num_kv_blocks),
             SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens),
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            enable_prefix_caching=self.enable_prefix_caching),
             None if spec is None or spec == "none" else SpeculativeConfig.from_json(spec),
         )

@@ -124,5 +124,6 @@ def _delta(update: RequestUpdate) -> TokenDelta:
         finish_reason=None if update.finish_reason is None else update.finish_reason.value,
         stop_reason=update.stop_reason,
         spec_stats=None if update.spec_stats is None else update.spec_stats.as_dict(),
+        num_cached_tokens=update.num_cached_tokens,
     )
 

@@ -105,6 +105,9 @@ class LLM:
             result.finished = True
             result.spec_stats = SpecStats.merged([c.spec_stats for c in result.outputs
                                                   if c.spec_stats is not None])
+            result.num_cached_tokens = max(
+                trackers[f"{result.request_id}-{c.index}"][1].num_cached_tokens
+                for c in result.outputs)
         return results
 
     def _apply(self, update: RequestUpdate,
@@ -113,7 +116,7 @@ class LLM:
         completion, tracker = trackers[update.request_id]
         finished = tracker.apply(update.new_token_ids, update.new_logprobs,
                                  None if update.finish_reason is None else update.finish_reason.value,
-                                 update.stop_reason, update.spec_stats)
+                                 update.stop_reason, update.spec_stats, update.num_cached_tokens)
         if tracker.needs_abort:
             tracker.needs_abort = False
             self.engine.abort([update.request_id])

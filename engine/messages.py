@@ -66,6 +66,8 @@ class TokenDelta:
     stop_reason: int | None = None
     # SpecStats.as_dict() on the last delta
     spec_stats: dict[str, Any] | None = None
+    # prompt tokens found in the prefix cache, on the last delta
+    num_cached_tokens: int = 0
 
 
 @dataclass

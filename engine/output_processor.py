@@ -49,6 +49,8 @@ class CompletionTracker:
         # the stop token id or stop string that ended it, if one did
         self.stop_reason: int | str | None = None
         self.spec_stats: SpecStats | dict | None = None
+        # prompt tokens whose K/V the prefix cache held (known once it finishes)
+        self.num_cached_tokens = 0
         # True when a stop string ended it here: the engine does not know and must be told to abort
         self.needs_abort = False
         self._num_streamed_chars = 0
@@ -65,10 +67,11 @@ class CompletionTracker:
 
     def apply(self, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None,
               finish_reason: str | None, stop_reason: int | None,
-              spec_stats: SpecStats | dict | None = None) -> bool:
+              spec_stats: SpecStats | dict | None = None, num_cached_tokens: int = 0) -> bool:
         """Fold in one engine delta; True when this completion has just finished."""
         if spec_stats is not None:
             self.spec_stats = spec_stats
+        self.num_cached_tokens = max(self.num_cached_tokens, num_cached_tokens)
         if self.finished:
             return False  # already ended here by a stop string; this is the engine's abort echo
         num_taken = len(new_token_ids)

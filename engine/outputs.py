@@ -37,3 +37,5 @@ class RequestOutput:
     finished: bool = False
     # speculation over all n completions (zero drafts when speculation is off)
     spec_stats: SpecStats | None = None
+    # prompt tokens whose K/V came from the prefix cache (vLLM's RequestOutput.num_cached_tokens)
+    num_cached_tokens: int = 0

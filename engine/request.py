@@ -68,6 +68,8 @@ class Request:
     # (suffix decoding's output cache) is shared only between requests with the same salt; None
     # belongs to no tenant and shares with nobody
     cache_salt: str | None = None
+    # prompt tokens whose K/V came from the prefix cache at the latest admission
+    num_cached_tokens: int = 0
     # structured output: where the committed output stands in its grammar (None = free text)
     grammar: GrammarState | None = None
 

@@ -83,6 +83,8 @@ class RequestUpdate:
     stop_reason: int | None = None
     # the request's speculation stats, on its final update
     spec_stats: SpecStats | None = None
+    # prompt tokens whose K/V came from the prefix cache, on its final update
+    num_cached_tokens: int = 0
 
 
 class Scheduler:
@@ -92,7 +94,9 @@ class Scheduler:
         self.max_model_len = kv_spec.max_model_len
         # where the step layout's tensors live (the target's device)
         self.device = device
-        self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size)
+        # NOTE: one pool per model, so the cache's model identity can stay empty
+        self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -130,7 +134,8 @@ class Scheduler:
             self.running.remove(request)
         self._finish(request, FinishReason.ABORT)
         return RequestUpdate(request_id, [], None, FinishReason.ABORT,
-                             spec_stats=request.spec_stats)
+                             spec_stats=request.spec_stats,
+                             num_cached_tokens=request.num_cached_tokens)
 
     def update_draft_token_ids(self, drafts: DraftTokens) -> None:
         """Take the drafts proposed for the next step; an empty proposal clears the request's draft.
@@ -176,11 +181,21 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
+            known = request.token_ids_between(0, request.num_tokens)  # prompt (+ output, if preempted)
+            salt = request.cache_salt
+            # NOTE: start computing after the cached prefix (0 without caching or a salt)
+            request.num_computed_tokens = len(
+                self.block_manager.lookup_prefix(known, salt)) * self.block_manager.block_size
             item = self._plan(request, budget)
-            if not self.block_manager.can_allocate(request.request_id, item.num_new_tokens):
+            total = request.num_computed_tokens + item.num_new_tokens
+            if not self.block_manager.can_allocate_with_prefix(known, salt, total):
+                request.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(request.request_id, item.num_new_tokens)
+            num_cached = self.block_manager.allocate_with_prefix(request.request_id, known, salt,
+                                                                 total)
+            if not request.num_preemptions:  # NOTE: what the prompt found, as vLLM reports it
+                request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(item)
@@ -226,6 +241,7 @@ class Scheduler:
             request = item.request
             request.num_computed_tokens += item.num_known_tokens
             if not item.is_sampling:
+                self._cache_full_blocks(request)
                 continue
             kept = next(samples)
             num_accepted = len(kept.token_ids) - 1
@@ -244,6 +260,7 @@ class Scheduler:
                     break
             if request.grammar is not None:
                 request.grammar.commit(update.new_token_ids)
+            self._cache_full_blocks(request)
             request.spec_stats.observe(item.num_draft_tokens, num_accepted,
                                        len(update.new_token_ids))
             updates.append(update)
@@ -251,6 +268,7 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, update.finish_reason, update.stop_reason)
                 update.spec_stats = request.spec_stats
+                update.num_cached_tokens = request.num_cached_tokens
         return updates
 
     @property
@@ -290,6 +308,15 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        """Offer the prefix cache the request's full blocks of committed tokens with K/V, before a
+        finished request's blocks are freed (so the next turn of a chat finds them). NOTE: K/V of
+        accepted drafts past a stop sits in the cache but not in the tokens: it is left out."""
+        if self.block_manager.enable_prefix_caching and request.cache_salt is not None:
+            num_valid = min(request.num_computed_tokens, request.num_tokens)
+            self.block_manager.register_full_blocks(request.request_id,
+                                                    request.token_ids_between(0, num_valid))
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | None = None) -> None:
         request.status = RequestStatus.FINISHED

@@ -60,8 +60,8 @@ Logprob = Annotated[float, AfterValidator(_finite_logprob)]
 
 
 class PromptTokensDetails(BaseModel):
-    # prompt tokens whose KV came from a cache instead of being computed: 0 until prefix caching
-    # lands (OpenAI clients and aiperf read the field)
+    # prompt tokens whose KV came from the prefix cache instead of being computed (OpenAI clients
+    # and aiperf read the field); 0 with prefix caching off
     cached_tokens: int = 0
 
 
@@ -72,9 +72,10 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
     @classmethod
-    def count(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def count(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
 class SpeculativeDecodingMetrics(BaseModel):

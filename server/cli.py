@@ -64,6 +64,10 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     serve.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=False,
+                       help="reuse the K/V of cached prompt prefixes within a tenant (API key + "
+                            "cache_salt); off by default while prefix caching is being finished")
     serve.add_argument("--gpu-kernels", default="torch", choices=["torch", "triton"],
                        help="what runs attention, norms, rotary and SiLU on CUDA: torch ops, or "
                             "specserve's Triton kernels (not yet measured on a GPU; default: "
@@ -91,6 +95,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory_gib,
         num_threads=args.num_threads, gpu_kernels=args.gpu_kernels,
+        enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config)
     engine_args.configs()  # NOTE: bad settings fail here, before the engine process starts
     if args.model is not None and not os.path.exists(args.model):

@@ -183,6 +183,12 @@ class Generation:
         return sum(len(c.prompt_token_ids) for c in self.choices[::self.n])
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, per prompt (the most any of its choices found)."""
+        return sum(max(c.tracker.num_cached_tokens for c in self.choices[i:i + self.n])
+                   for i in range(0, len(self.choices), self.n))
+
+    @property
     def num_completion_tokens(self) -> int:
         return sum(len(c.tracker.token_ids) for c in self.choices)
 
@@ -219,7 +225,7 @@ class Generation:
                 choice.inter_token_latencies.append(now - choice.last_token_at)
             choice.last_token_at = now
         choice.tracker.apply(delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
-                             delta.stop_reason, delta.spec_stats)
+                             delta.stop_reason, delta.spec_stats, delta.num_cached_tokens)
         if choice.tracker.needs_abort:  # a stop string ended it here; the engine must be told
             choice.tracker.needs_abort = False
             self.client.abort_soon([choice.request_id])

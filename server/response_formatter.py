@@ -19,7 +19,8 @@ class ResponseFormatter:
 
     @staticmethod
     def usage(generation: Generation) -> Usage:
-        return Usage.count(generation.num_prompt_tokens, generation.num_completion_tokens)
+        return Usage.count(generation.num_prompt_tokens, generation.num_completion_tokens,
+                           generation.num_cached_tokens)
 
     @staticmethod
     def metrics(generation: Generation) -> ResponseMetrics:

@@ -1,0 +1,115 @@
+"""Prefix caching in the engine (opt-in for now): a later request skips its cached prefix, greedy
+output is token-identical with caching on and off for every batch mix, with preemption and with
+speculation, tenants never share, and EAGLE (which needs the target's features at every position)
+runs with caching off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models.arch import LlamaArch
+from engine.models.loader import load_checkpoint
+from engine.proposers.eagle_head import EagleConfig, EagleHead
+
+SYSTEM = list(range(3, 60))  # a shared "system prompt" of 57 tokens: 3 full blocks of 16
+PROMPTS = [[1] + SYSTEM + [70, 71, 72], [1] + SYSTEM + [80, 81], [1] + SYSTEM[:20] + [90],
+           [1, 5, 9, 13, 2, 7, 5, 9, 13, 2]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+
+
+def engine(model: str, caching: bool, **kwargs) -> LLM:
+    return LLM(model, dtype="float64", max_model_len=kwargs.pop("max_model_len", 256),
+               num_kv_blocks=kwargs.pop("blocks", 64),
+               enable_prefix_caching=caching, **kwargs)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama) -> list[list[int]]:
+    llm = engine(tiny_llama, caching=False)
+    return [tokens(llm.generate([{"prompt_token_ids": p}], GREEDY))[0] for p in PROMPTS]
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft_model"])
+def test_cached_prefixes_are_skipped_and_the_tokens_stay(tiny_llama, expected, method):
+    """The draft model keeps its own KV and recomputes the prefix itself: never stale."""
+    speculative_config = {
+        "plain": None, "ngram": NGRAM,
+        "suffix": {"method": "suffix", "num_speculative_tokens": 4},
+        "draft_model": {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3},
+    }[method]
+    llm = engine(tiny_llama, caching=True, speculative_config=speculative_config)
+    first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+    assert tokens(first) == expected[:1]
+    blocks = llm.engine.scheduler.block_manager
+    assert blocks.prefix_cache_hits == 0
+    # one by one, then all together: each later prompt finds the system prompt's full blocks
+    cached = []
+    for prompt, want in zip(PROMPTS[1:], expected[1:]):
+        out = llm.generate([{"prompt_token_ids": prompt}], GREEDY)
+        assert tokens(out) == [want]
+        cached.append(out[0].num_cached_tokens)
+    assert cached == [48, 16, 0]
+    assert blocks.prefix_cache_hits >= 48 + 16  # 3 blocks for prompt 1, 1 block for prompt 2
+    batched = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert tokens(batched) == expected
+
+
+def test_a_finished_conversation_is_found_by_its_next_turn(tiny_llama, expected):
+    """The first turn's prompt + answer, extended: the second turn reuses every full block."""
+    llm = engine(tiny_llama, caching=True)
+    turn = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)[0].outputs[0].token_ids
+    follow_up = PROMPTS[0] + turn + [33, 34]
+    before = llm.engine.scheduler.block_manager.prefix_cache_hits
+    got = tokens(llm.generate([{"prompt_token_ids": follow_up}], GREEDY))
+    hits = llm.engine.scheduler.block_manager.prefix_cache_hits - before
+    assert hits == (len(follow_up) - 1) // 16 * 16
+    assert got == tokens(engine(tiny_llama, caching=False).generate(
+        [{"prompt_token_ids": follow_up}], GREEDY))
+
+
+def test_preemption_under_memory_pressure_keeps_the_tokens(tiny_llama, expected):
+    """12 blocks for 4 requests of up to 6 blocks each: requests are preempted and re-admitted,
+    finding their own cached blocks (or recomputing evicted ones)."""
+    llm = engine(tiny_llama, caching=True, blocks=12, max_model_len=192, speculative_config=NGRAM)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert tokens(outs) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+    blocks = llm.engine.scheduler.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks  # nothing leaked: cached blocks are evictable
+
+
+def test_tenants_do_not_share(tiny_llama):
+    llm = engine(tiny_llama, caching=True)
+    engine_core = llm.engine
+    engine_core.add_request("a", PROMPTS[0], GREEDY, cache_salt="alice")
+    while engine_core.has_unfinished:
+        engine_core.step()
+    blocks = engine_core.scheduler.block_manager
+    engine_core.add_request("b", PROMPTS[1], GREEDY, cache_salt="bob")
+    engine_core.add_request("c", PROMPTS[1], GREEDY, cache_salt=None)
+    while engine_core.has_unfinished:
+        engine_core.step()
+    assert blocks.prefix_cache_hits == 0
+    engine_core.add_request("d", PROMPTS[1], GREEDY, cache_salt="alice")
+    while engine_core.has_unfinished:
+        engine_core.step()
+    assert blocks.prefix_cache_hits == 48
+
+
+def test_eagle_runs_with_caching_off(tiny_llama, tmp_path):
+    """EAGLE reads the target's features at every committed position; a cached prefix has none."""
+    arch = LlamaArch.from_hf_config(load_checkpoint(tiny_llama, torch.float32).hf_config)
+    head = EagleHead(EagleConfig.for_target(arch, arch.vocab_size), arch)
+    head.draft_token_ids.copy_(torch.arange(arch.vocab_size))
+    head.save(str(tmp_path))
+    llm = engine(tiny_llama, caching=True, speculative_config={
+        "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3})
+    assert not llm.engine.scheduler.block_manager.enable_prefix_caching
