@@ -218,7 +218,9 @@ class EngineCore:
         return StepStats(is_step=False, num_running=len(scheduler.running),
                          num_waiting=len(scheduler.waiting),
                          kv_cache_usage=1.0 - pool.num_free_blocks / pool.num_blocks,
-                         num_preemptions=scheduler.num_preemptions)
+                         num_preemptions=scheduler.num_preemptions,
+                         prefix_cache_queries=pool.prefix_cache_queries,
+                         prefix_cache_hits=pool.prefix_cache_hits)
 
     def _step_stats(self, items: list[ScheduledRequest], sampled: list[SampledTokens],
                     choices: list[DraftChoice], updates: list[RequestUpdate],

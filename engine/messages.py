@@ -84,6 +84,9 @@ class StepStats:
     # fraction of KV blocks in use, 0..1
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
+    # prefix caching, running totals in tokens (vLLM's): prompt tokens looked up, and found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     # speculation: drafts verified this step (one per request that had any), their tokens, accepted

@@ -81,7 +81,8 @@ class ServerMetrics:
         # NOTE: one lock around every update and every render, so a scrape never sees half a step
         # (α and τ from a single scrape are then exact ratios of what the engine reported).
         self._lock = threading.Lock()
-        self._last_num_preemptions = 0
+        # the engine's running totals as last seen, per counter fed from one
+        self._last_totals: dict[str, int] = {}
 
         # ---------------------------------------------------------------- scheduler state
         self._num_running = self._gauge("specserve:num_requests_running",
@@ -92,6 +93,12 @@ class ServerMetrics:
                                            "Fraction of KV-cache blocks in use (0..1).")
         self._num_preemptions = self._counter("specserve:num_preemptions_total",
                                               "Requests preempted to free KV-cache blocks.")
+        self._prefix_cache_queries = self._counter(
+            "specserve:prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache (requests of a tenant, caching on).")
+        self._prefix_cache_hits = self._counter(
+            "specserve:prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache, their K/V not computed again.")
         self._engine_steps = self._counter("specserve:engine_steps_total", "Engine steps run.")
         self._prompt_tokens = self._counter("specserve:prompt_tokens_total",
                                             "Prompt tokens prefilled.")
@@ -174,18 +181,24 @@ class ServerMetrics:
         return Histogram(name, documentation, _BASE_LABELS, buckets=buckets,
                          registry=self.registry).labels(**self._base)
 
+    def _add_increase(self, counter: Counter, name: str, total: int) -> None:
+        """Count the increase of one of the engine's running totals; a drop means the engine
+        restarted and counts from zero."""
+        increase = total - self._last_totals.get(name, 0)
+        counter.inc(total if increase < 0 else increase)
+        self._last_totals[name] = total
+
     def observe_step(self, stats: StepStats) -> None:
         """Fold one engine step into the series."""
         with self._lock:
             self._num_running.set(stats.num_running)
             self._num_waiting.set(stats.num_waiting)
             self._kv_cache_usage.set(stats.kv_cache_usage)
-            # the engine reports a running total; a drop means it restarted and counts from zero
-            new_preemptions = stats.num_preemptions - self._last_num_preemptions
-            if new_preemptions < 0:
-                new_preemptions = stats.num_preemptions
-            self._num_preemptions.inc(new_preemptions)
-            self._last_num_preemptions = stats.num_preemptions
+            self._add_increase(self._num_preemptions, "preemptions", stats.num_preemptions)
+            self._add_increase(self._prefix_cache_queries, "prefix_cache_queries",
+                               stats.prefix_cache_queries)
+            self._add_increase(self._prefix_cache_hits, "prefix_cache_hits",
+                               stats.prefix_cache_hits)
             if not stats.is_step:
                 return  # a snapshot after an abort: the gauges above are all it carries
             self._engine_steps.inc()

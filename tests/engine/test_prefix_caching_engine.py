@@ -57,6 +57,10 @@ def test_cached_prefixes_are_skipped_and_the_tokens_stay(tiny_llama, expected, m
         assert tokens(out) == [want]
         cached.append(out[0].num_cached_tokens)
     assert cached == [48, 16, 0]
+    snapshot = llm.engine.gauge_snapshot()  # what the server's Prometheus counters are fed
+    assert (snapshot.prefix_cache_hits, snapshot.prefix_cache_queries) == \
+        (blocks.prefix_cache_hits, blocks.prefix_cache_queries)
+    assert snapshot.prefix_cache_hits == 64 and snapshot.prefix_cache_queries > 64
     assert blocks.prefix_cache_hits >= 48 + 16  # 3 blocks for prompt 1, 1 block for prompt 2
     batched = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert tokens(batched) == expected

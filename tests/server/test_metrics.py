@@ -24,6 +24,8 @@ EXPECTED_NAMES = {
     "specserve:num_requests_waiting",
     "specserve:kv_cache_usage_perc",
     "specserve:num_preemptions_total",
+    "specserve:prefix_cache_queries_total",
+    "specserve:prefix_cache_hits_total",
     "specserve:engine_steps_total",
     "specserve:prompt_tokens_total",
     "specserve:generation_tokens_total",
@@ -148,6 +150,13 @@ def test_preemptions_count_the_increase_of_a_running_total(metrics, cumulative, 
     for num_preemptions in cumulative:
         metrics.observe_step(StepStats(num_preemptions=num_preemptions))
     assert value(metrics, "specserve:num_preemptions_total") == expected_total
+
+
+def test_prefix_cache_counters_count_tokens_from_running_totals(metrics):
+    for queries, hits in [(100, 0), (220, 96), (220, 96), (30, 16)]:  # the last: engine restarted
+        metrics.observe_step(StepStats(prefix_cache_queries=queries, prefix_cache_hits=hits))
+    assert value(metrics, "specserve:prefix_cache_queries_total") == 250
+    assert value(metrics, "specserve:prefix_cache_hits_total") == 112
 
 
 def test_per_position_counts_are_one_based_and_start_at_zero(metrics):
