@@ -53,6 +53,7 @@ SPEC_FIELDS = (
     "acceptance_rate",     # α = accepted / draft tokens, over this run (None: nothing drafted)
     "mean_acceptance_length",  # τ = 1 + accepted / drafts
     "acceptance_rate_per_position",  # per 1-based draft position: accepted / drafts
+    "prefix_cache_hit_rate",  # prompt tokens found cached / looked up (None: nothing looked up)
 )
 RUN_FIELDS = SETTINGS_FIELDS + COUNT_FIELDS + LATENCY_FIELDS + SPEC_FIELDS
 TABLE_WIDTH = 68
@@ -119,7 +120,8 @@ def _spec_fields(spec: SpecCounters | None) -> dict[str, Any]:
             "num_accepted_tokens": round(spec.num_accepted_tokens),
             "acceptance_rate": spec.acceptance_rate,
             "mean_acceptance_length": spec.mean_acceptance_length,
-            "acceptance_rate_per_position": spec.acceptance_rate_per_position}
+            "acceptance_rate_per_position": spec.acceptance_rate_per_position,
+            "prefix_cache_hit_rate": spec.prefix_cache_hit_rate}
 
 
 def write_result_file(path: str | Path, runs: list[dict[str, Any]],
@@ -163,6 +165,7 @@ def format_run(run: dict[str, Any]) -> str:
         rows.append(("Speculation (server /metrics)", str(run["spec_method"])))
         rows.append(("Acceptance rate α", _number(run["acceptance_rate"], 3)))
         rows.append(("Block efficiency τ", _number(run["mean_acceptance_length"], 2)))
+        rows.append(("Prefix cache hit rate", _number(run["prefix_cache_hit_rate"], 3)))
     else:
         rows.append(("Speculation", "no /metrics on the server"))
     lines = [f"{title:=^{TABLE_WIDTH}}"] + [f"{name + ':':<46}{value}" for name, value in rows]

@@ -39,6 +39,17 @@ def test_a_run_is_the_difference_of_two_scrapes():
     assert run.acceptance_rate_per_position == pytest.approx([4 / 5, 3 / 5])
 
 
+def test_the_prefix_cache_hit_rate_of_a_run():
+    metrics = ServerMetrics("m", "ngram", num_speculative_tokens=1)
+    metrics.observe_step(StepStats(prefix_cache_queries=100, prefix_cache_hits=32))
+    before = parse_spec_counters(metrics.render()[0].decode())
+    assert before.prefix_cache_hit_rate == pytest.approx(0.32)
+    metrics.observe_step(StepStats(prefix_cache_queries=300, prefix_cache_hits=192))
+    run = parse_spec_counters(metrics.render()[0].decode()).since(before)
+    assert run.prefix_cache_hit_rate == pytest.approx(160 / 200)
+    assert parse_spec_counters("# nothing\n").prefix_cache_hit_rate is None
+
+
 def test_no_drafts_means_no_alpha_or_tau():
     counters = parse_spec_counters("# nothing exported\n")
     assert counters.acceptance_rate is None
