@@ -188,6 +188,11 @@ class BlockManager:
                 entry = self._cache.insert(table[index], block_hash, salt, parent, token_ids)
             chain.append(entry)
 
+    def num_chained_blocks(self, request_id: str) -> int:
+        """The request's leading blocks already matched or cached: register_full_blocks has nothing
+        to do until its committed tokens fill more than these."""
+        return len(self._chains.get(request_id, ()))
+
     def reset_prefix_cache(self) -> int:
         """Uncache every block nobody references (they join the free list); returns how many."""
         block_ids = self._cache.evict_all()

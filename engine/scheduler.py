@@ -313,10 +313,14 @@ class Scheduler:
         """Offer the prefix cache the request's full blocks of committed tokens with K/V, before a
         finished request's blocks are freed (so the next turn of a chat finds them). NOTE: K/V of
         accepted drafts past a stop sits in the cache but not in the tokens: it is left out."""
-        if self.block_manager.enable_prefix_caching and request.cache_salt is not None:
+        pool = self.block_manager
+        if pool.enable_prefix_caching and request.cache_salt is not None:
             num_valid = min(request.num_computed_tokens, request.num_tokens)
-            self.block_manager.register_full_blocks(request.request_id,
-                                                    request.token_ids_between(0, num_valid))
+            # NOTE: the token list is built only when a new block filled (once per block_size
+            # tokens), not every step
+            if num_valid // pool.block_size > pool.num_chained_blocks(request.request_id):
+                pool.register_full_blocks(request.request_id,
+                                          request.token_ids_between(0, num_valid))
 
     def _finish(self, request: Request, reason: FinishReason, stop_reason: int | None = None) -> None:
         request.status = RequestStatus.FINISHED
