@@ -103,8 +103,8 @@ class SchedulerConfig:
     # requests allowed to wait before new ones are refused (the server answers 429)
     max_waiting_requests: int = 1024
     # reuse the K/V of full blocks of a prefix computed before, within a tenant (cache_salt);
-    # off by default until the prefix-caching issue is finished (metrics, usage, EAGLE)
-    enable_prefix_caching: bool = False
+    # on by default, as in vLLM, SGLang and llama.cpp
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -58,10 +58,6 @@ class EngineCore:
         self.speculative_config = speculative_config
         self.proposer: Proposer | None = (
             None if speculative_config is None else build_proposer(speculative_config, self.worker))
-        if self.proposer is not None and self.proposer.needs_committed_hidden:
-            # NOTE: EAGLE reads the target's features at every committed position, and a cached
-            # prefix has none (not computed): no prefix caching beside it, for now
-            self.scheduler.block_manager.enable_prefix_caching = False
         self.adaptive: AdaptiveSpeculation | None = None
         if speculative_config is not None and speculative_config.adaptive:
             self.adaptive = AdaptiveSpeculation()
@@ -144,8 +140,9 @@ class EngineCore:
             num_valid = item.num_known_tokens
             if item.is_sampling:
                 num_valid += len(next(kept).token_ids) - 1
-            self.proposer.record_target_hidden(item.request, item.request.num_computed_tokens,
-                                               token_hidden[row:row + num_valid])
+            self.proposer.record_target_hidden(
+                item.request, item.request.num_computed_tokens, token_hidden[row:row + num_valid],
+                self.scheduler.block_manager.block_table(item.request.request_id))
 
     def _propose_drafts(self, layout: StepLayout, sampled: list[SampledTokens],
                         hidden: torch.Tensor) -> list[DraftChoice]:

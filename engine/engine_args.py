@@ -22,8 +22,8 @@ class EngineArgs:
     kv_cache_memory_gib: float = 1.0
     num_kv_blocks: int | None = None
     num_threads: int | None = None
-    # reuse cached prefix blocks within a tenant (engine/block_manager.py); off until issue 18 ends
-    enable_prefix_caching: bool = False
+    # reuse cached prefix blocks within a tenant (engine/block_manager.py)
+    enable_prefix_caching: bool = True
     # "torch" or "triton": what runs attention and the per-layer ops on CUDA (engine/config.py)
     gpu_kernels: str = "torch"
     # vLLM-style JSON text or dict (engine/spec_config.py); None or "none" = no speculation

@@ -15,6 +15,9 @@ from engine.spec_stats import SpecStats
 if TYPE_CHECKING:
     from engine.structured import GrammarState
 
+# the prefix-cache tenant of requests without a cache_salt (a server without API keys, no salt)
+ANONYMOUS_PREFIX_TENANT = "anonymous"
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -66,7 +69,7 @@ class Request:
     spec_stats: SpecStats = field(default_factory=SpecStats)
     # tenant isolation key: state that outlives the request and that another request could observe
     # (suffix decoding's output cache) is shared only between requests with the same salt; None
-    # belongs to no tenant and shares with nobody
+    # belongs to no tenant and shares with nobody (but see prefix_cache_tenant)
     cache_salt: str | None = None
     # prompt tokens whose K/V came from the prefix cache at the latest admission
     num_cached_tokens: int = 0
@@ -76,6 +79,13 @@ class Request:
     def __post_init__(self) -> None:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def prefix_cache_tenant(self) -> str:
+        """Whose cached prefix blocks the request may read and fill. Without a salt it is the shared
+        anonymous tenant, as in vLLM: a prefix hit only tells a client that the same prefix was sent
+        before, while suffix decoding's cache would tell it what other clients' outputs said."""
+        return ANONYMOUS_PREFIX_TENANT if self.cache_salt is None else self.cache_salt
 
     @property
     def num_prompt_tokens(self) -> int:

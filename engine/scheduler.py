@@ -182,8 +182,8 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             known = request.token_ids_between(0, request.num_tokens)  # prompt (+ output, if preempted)
-            salt = request.cache_salt
-            # NOTE: start computing after the cached prefix (0 without caching or a salt)
+            salt = request.prefix_cache_tenant
+            # NOTE: start computing after the cached prefix (0 without caching)
             request.num_computed_tokens = len(
                 self.block_manager.lookup_prefix(known, salt)) * self.block_manager.block_size
             item = self._plan(request, budget)
@@ -314,7 +314,7 @@ class Scheduler:
         finished request's blocks are freed (so the next turn of a chat finds them). NOTE: K/V of
         accepted drafts past a stop sits in the cache but not in the tokens: it is left out."""
         pool = self.block_manager
-        if pool.enable_prefix_caching and request.cache_salt is not None:
+        if pool.enable_prefix_caching:
             num_valid = min(request.num_computed_tokens, request.num_tokens)
             # NOTE: the token list is built only when a new block filled (once per block_size
             # tokens), not every step

@@ -65,9 +65,9 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
     serve.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=False,
+                       default=True,
                        help="reuse the K/V of cached prompt prefixes within a tenant (API key + "
-                            "cache_salt); off by default while prefix caching is being finished")
+                            "cache_salt); on by default, --no-enable-prefix-caching turns it off")
     serve.add_argument("--gpu-kernels", default="torch", choices=["torch", "triton"],
                        help="what runs attention, norms, rotary and SiLU on CUDA: torch ops, or "
                             "specserve's Triton kernels (not yet measured on a GPU; default: "

@@ -31,10 +31,12 @@ class Proposer(ABC):
         request, in order, each no longer than its cap.
         """
 
-    def record_target_hidden(self, request: Request, start_position: int,
-                             hidden: torch.Tensor) -> None:
+    def record_target_hidden(self, request: Request, start_position: int, hidden: torch.Tensor,
+                             block_table: list[int]) -> None:
         """The target's final-norm hidden states at positions start_position .. + len(hidden) - 1,
-        every one of a committed token (rejected drafts' rows are left out). Default: unused."""
+        every one of a committed token (rejected drafts' rows are left out), and the request's
+        target block table (positions before start_position may come from cached blocks that
+        another request computed). Default: unused."""
 
     def free(self, request_id: str) -> None:
         """The request ended; drop anything kept for it. Default: nothing kept."""

@@ -7,7 +7,9 @@ next slots but never counted: the next catch-up overwrites those slots with true
 rollback is bookkeeping and nothing is ever copied back.
 
 The target's features arrive through `record_target_hidden` after every step, prefill chunks
-included; those not yet consumed wait in a small per-request buffer.
+included; those not yet consumed wait in a small per-request buffer. They are also kept per target KV
+slot (target_features.py): a request that starts after a cached prefix reads the prefix's features
+from there, and the head computes its own K/V for the prefix in its first catch-up.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache
 from engine.proposers.base import DraftProposal, Proposer, model_draft_proposal, sample_draft_token
 from engine.proposers.eagle_head import EagleHead
+from engine.proposers.target_features import TargetFeatureStore
 from engine.request import Request
 
 
@@ -67,12 +70,18 @@ class EagleProposer(Proposer):
         self.dtype, self.device = dtype, device
         self.blocks = BlockManager(num_blocks, block_size)
         self.kv_cache = allocate_kv_cache(arch, num_blocks, block_size, dtype, device)[0]
+        # NOTE: sized like the target's pool (num_blocks, block_size are the target's)
+        self.target_features = TargetFeatureStore(num_blocks, block_size, target.hidden_size, dtype,
+                                                  device)
         self.states: dict[str, _EagleState] = {}
         # requests whose features went missing (never expected): they draft nothing from then on
         self.disabled: set[str] = set()
 
-    def record_target_hidden(self, request: Request, start_position: int,
-                             hidden: torch.Tensor) -> None:
+    def record_target_hidden(self, request: Request, start_position: int, hidden: torch.Tensor,
+                             block_table: list[int]) -> None:
+        # NOTE: first, and for every request: a block this request fills may be cached and read
+        # by a later request, whether or not this one drafts
+        self.target_features.write(block_table, start_position, hidden)
         request_id = request.request_id
         if request_id in self.disabled:
             return
@@ -82,8 +91,11 @@ class EagleProposer(Proposer):
                 torch.zeros(1, self.draft_head.shape[1], dtype=self.dtype, device=self.device))
         end = start_position + len(hidden)
         if start_position > state.feature_end:
-            self._disable(request_id)
-        elif end > state.feature_end:
+            # a cached prefix: its features were kept by whoever computed its blocks
+            hidden = torch.cat([self.target_features.read(block_table, state.feature_end,
+                                                          start_position), hidden])
+            start_position = state.feature_end
+        if end > state.feature_end:
             # NOTE: a preempted request recomputes features already seen; only new ones are kept
             fresh = hidden[state.feature_end - start_position:]
             state.features = torch.cat([state.features, fresh.to(self.dtype)])

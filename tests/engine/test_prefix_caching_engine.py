@@ -1,7 +1,7 @@
-"""Prefix caching in the engine (opt-in for now): a later request skips its cached prefix, greedy
-output is token-identical with caching on and off for every batch mix, with preemption and with
-speculation, tenants never share, and EAGLE (which needs the target's features at every position)
-runs with caching off."""
+"""Prefix caching in the engine: a later request skips its cached prefix, greedy output is
+token-identical with caching on and off for every batch mix, with preemption and with speculation,
+tenants never share, and EAGLE (which needs the target's features at every position) reads a cached
+prefix's features from beside its blocks."""
 
 from __future__ import annotations
 
@@ -106,14 +106,53 @@ def test_tenants_do_not_share(tiny_llama):
     while engine_core.has_unfinished:
         engine_core.step()
     assert blocks.prefix_cache_hits == 48
+    # requests without a salt share the anonymous tenant, as in vLLM: "c" filled it
+    engine_core.add_request("e", PROMPTS[0], GREEDY, cache_salt=None)
+    while engine_core.has_unfinished:
+        engine_core.step()
+    assert blocks.prefix_cache_hits == 48 + 48
 
 
-def test_eagle_runs_with_caching_off(tiny_llama, tmp_path):
-    """EAGLE reads the target's features at every committed position; a cached prefix has none."""
+@pytest.fixture(scope="module")
+def eagle_head_folder(tiny_llama, tmp_path_factory) -> str:
     arch = LlamaArch.from_hf_config(load_checkpoint(tiny_llama, torch.float32).hf_config)
+    torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(arch, arch.vocab_size), arch)
     head.draft_token_ids.copy_(torch.arange(arch.vocab_size))
-    head.save(str(tmp_path))
-    llm = engine(tiny_llama, caching=True, speculative_config={
-        "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 3})
-    assert not llm.engine.scheduler.block_manager.enable_prefix_caching
+    folder = tmp_path_factory.mktemp("eagle_head")
+    head.save(str(folder))
+    return str(folder)
+
+
+def drafts_proposed(llm: LLM) -> dict[str, list[list[int]]]:
+    """Every draft the engine's proposer returns from now on, per request id."""
+    proposer, seen = llm.engine.proposer, {}
+    propose = proposer.propose
+
+    def recording(requests, caps, target_hidden):
+        proposals = propose(requests, caps, target_hidden)
+        for request, proposal in zip(requests, proposals):
+            seen.setdefault(request.request_id, []).append(list(proposal.token_ids))
+        return proposals
+
+    proposer.propose = recording
+    return seen
+
+
+def test_eagle_reads_a_cached_prefix_features_from_its_blocks(tiny_llama, expected,
+                                                              eagle_head_folder):
+    """EAGLE conditions each position on the target's feature there; after a cached prefix those
+    come from the feature store beside the blocks. The drafts (not only the tokens) must be those
+    of an engine that computed the whole prompt: a zero or stale feature changes them."""
+    config = {"method": "eagle", "model": eagle_head_folder, "num_speculative_tokens": 3}
+    runs = {}
+    for caching in (False, True):
+        llm = engine(tiny_llama, caching=caching, speculative_config=config)
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
+        seen = drafts_proposed(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[1:3]], GREEDY)
+        assert tokens(outs) == expected[1:3]
+        runs[caching] = (seen, [o.num_cached_tokens for o in outs])
+    assert runs[True][1] == [48, 16] and runs[False][1] == [0, 0]
+    drafts_off, drafts_on = (sorted(runs[c][0].values()) for c in (False, True))
+    assert drafts_on == drafts_off and any(any(d) for d in drafts_on)

@@ -62,7 +62,7 @@ def test_completion_response_parses_as_sdk_completion() -> None:
     assert parsed.id.startswith("cmpl-") and parsed.object == "text_completion"
     assert parsed.choices[0].logprobs.token_logprobs == [-0.1, MIN_LOGPROB]
     assert parsed.usage.total_tokens == 5
-    assert parsed.usage.prompt_tokens_details.cached_tokens == 0  # no prefix cache yet
+    assert parsed.usage.prompt_tokens_details.cached_tokens == 0  # none counted
     assert parsed.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] == 3
 
 
