@@ -84,6 +84,9 @@ class CacheConfig:
     kv_cache_memory_gib: float = 1.0
     # exact number of KV blocks (tests use a few to force preemption)
     num_blocks: int | None = None
+    # reuse the K/V of full blocks of a prefix computed before, within a tenant (cache_salt);
+    # on by default, as in vLLM, SGLang and llama.cpp
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -102,9 +105,6 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # requests allowed to wait before new ones are refused (the server answers 429)
     max_waiting_requests: int = 1024
-    # reuse the K/V of full blocks of a prefix computed before, within a tenant (cache_salt);
-    # on by default, as in vLLM, SGLang and llama.cpp
-    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

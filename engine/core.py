@@ -53,11 +53,13 @@ class EngineCore:
                  scheduler_config: SchedulerConfig,
                  speculative_config: SpeculativeConfig | None = None) -> None:
         self.worker = Worker(model_config, cache_config)
-        self.scheduler = Scheduler(scheduler_config, self.worker.kv_spec, self.worker.device)
+        self.scheduler = Scheduler(scheduler_config, self.worker.kv_spec, self.worker.device,
+                                   self.worker.block_manager)
         self.sampler = RejectionSampler()
         self.speculative_config = speculative_config
         self.proposer: Proposer | None = (
-            None if speculative_config is None else build_proposer(speculative_config, self.worker))
+            None if speculative_config is None
+            else build_proposer(speculative_config, self.worker.target_handle()))
         self.adaptive: AdaptiveSpeculation | None = None
         if speculative_config is not None and speculative_config.adaptive:
             self.adaptive = AdaptiveSpeculation()
@@ -118,7 +120,7 @@ class EngineCore:
             return []
         num_prompt_tokens = _num_prompt_tokens(scheduled)
         pass_start = time.perf_counter()
-        out = self.worker.execute(scheduled, self.scheduler.block_manager)
+        out = self.worker.execute(scheduled)
         sampled = self.sampler(out.logits, scheduled.layout)
         target_pass_seconds = time.perf_counter() - pass_start
         if self.proposer is not None and self.proposer.needs_committed_hidden:

@@ -37,9 +37,9 @@ class EngineArgs:
                         max_model_len=self.max_model_len, num_threads=self.num_threads,
                         gpu_kernels=self.gpu_kernels),
             CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory_gib,
-                        num_blocks=self.num_kv_blocks),
+                        num_blocks=self.num_kv_blocks,
+                        enable_prefix_caching=self.enable_prefix_caching),
             SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                            max_num_batched_tokens=self.max_num_batched_tokens,
-                            enable_prefix_caching=self.enable_prefix_caching),
+                            max_num_batched_tokens=self.max_num_batched_tokens),
             None if spec is None or spec == "none" else SpeculativeConfig.from_json(spec),
         )

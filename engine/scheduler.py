@@ -89,14 +89,15 @@ class RequestUpdate:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_spec: KVCacheSpec,
-                 device: torch.device = torch.device("cpu")) -> None:
+                 device: torch.device = torch.device("cpu"),
+                 block_manager: BlockManager | None = None) -> None:
+        """`block_manager`: the target's pool (the worker's runner owns it); None, a plain pool of
+        kv_spec's size without prefix caching (scheduler tests)."""
         self.config = config
         self.max_model_len = kv_spec.max_model_len
         # where the step layout's tensors live (the target's device)
         self.device = device
-        # NOTE: one pool per model, so the cache's model identity can stay empty
-        self.block_manager = BlockManager(kv_spec.num_blocks, kv_spec.block_size,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.block_manager = block_manager or BlockManager(kv_spec.num_blocks, kv_spec.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

@@ -1,4 +1,5 @@
-"""Owns the target model and its KV cache; runs one forward pass per engine step."""
+"""Owns the target model, its KV cache and its block pool (one PagedRunner); runs one forward pass per
+engine step."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, KVCacheSpec, ModelConfig
 from engine.cpu_threads import usable_cpu_count
-from engine.input_batch import build_model_inputs
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
+from engine.paged_runner import PagedRunner, SequenceRows
+from engine.proposers.base import TargetHandle
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -21,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class ModelRunnerOutput:
-    # [num_sampling_rows, vocab]: per sampling request, 1 + num_draft_tokens rows (input_batch.py)
+    # [num_sampling_rows, vocab]: per sampling request, 1 + num_draft_tokens rows (step_layout.py)
     logits: torch.Tensor
     # [num_sampling_rows, hidden]: the final-norm hidden states those logits came from (proposers
     # that draft from the target's features read them)
@@ -51,8 +53,14 @@ class Worker:
         self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device,
                                                       self.gpu_kernels)
         self.kv_spec = self._size_kv_cache(model_config, cache_config)
-        self.kv_caches = allocate_kv_cache(self.arch, self.kv_spec.num_blocks,
-                                           self.kv_spec.block_size, self.dtype, self.device)
+        # NOTE: one pool per model, so the prefix cache's model identity can stay empty
+        blocks = BlockManager(self.kv_spec.num_blocks, self.kv_spec.block_size,
+                              enable_prefix_caching=cache_config.enable_prefix_caching)
+        self.runner = PagedRunner(
+            self.model, allocate_kv_cache(self.arch, self.kv_spec.num_blocks,
+                                          self.kv_spec.block_size, self.dtype, self.device),
+            blocks, self.arch.sliding_window, self.device,
+            "triton" if self.gpu_kernels == "triton" else "auto")
         logger.info("loaded %s: %d layers, %s on %s (%s matmuls); KV cache %d blocks x %d tokens",
                     checkpoint.source, self.arch.num_layers, self.dtype, self.device,
                     self.linear_backend,
@@ -74,12 +82,33 @@ class Worker:
                 f"max_model_len {max_model_len}: raise the KV cache memory or lower max_model_len")
         return KVCacheSpec(num_blocks, cache_config.block_size, max_model_len, bytes_per_token)
 
-    @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, block_manager: BlockManager) -> ModelRunnerOutput:
-        inputs = build_model_inputs(output, block_manager, self.arch.sliding_window, self.device,
-                                    "triton" if self.gpu_kernels == "triton" else "auto")
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn_metadata, self.kv_caches)
-        rows = hidden[inputs.logits_indices]  # [rows, hidden]
-        return ModelRunnerOutput(logits=self.model.compute_logits(rows), hidden=rows,
-                                 token_hidden=hidden)
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.runner.kv_caches
 
+    @property
+    def block_manager(self) -> BlockManager:
+        """The target's pool; the scheduler fills it."""
+        return self.runner.blocks
+
+    def target_handle(self) -> TargetHandle:
+        """What drafters may use of the target (engine/proposers/base.py)."""
+        return TargetHandle(self.arch, self.model, self.dtype, self.device,
+                            self.kv_spec.num_blocks, self.kv_spec.block_size)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """The scheduled step: each request's next known tokens, then its drafts, from the position
+        its computed K/V ends at; logits at the step layout's rows."""
+        sequences = []
+        for item in output.scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            known = request.token_ids_between(start, start + item.num_known_tokens)
+            sequences.append(SequenceRows(request.request_id, start,
+                                          known + item.draft_token_ids))
+        inputs = self.runner.prepare(sequences)
+        hidden = self.runner.run(inputs)
+        rows = hidden[output.layout.logits_indices.to(self.device)]  # [rows, hidden]
+        return ModelRunnerOutput(logits=self.runner.logits(rows), hidden=rows,
+                                 token_hidden=hidden)

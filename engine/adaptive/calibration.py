@@ -53,7 +53,7 @@ def _time_verification(worker: Worker, block_manager: BlockManager, sampler: Rej
     block_manager.allocate(CALIBRATION_REQUEST_ID, num_tokens)
     try:
         start = time.perf_counter()
-        out = worker.execute(output, block_manager)
+        out = worker.execute(output)
         sampler(out.logits, output.layout)
         return time.perf_counter() - start
     finally:

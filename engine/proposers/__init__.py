@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from engine.proposers.base import DraftProposal, Proposer
+from engine.proposers.base import DraftProposal, Proposer, TargetHandle
 from engine.spec_config import SpeculativeConfig
 
-if TYPE_CHECKING:
-    from engine.worker import Worker
 
-
-def build_proposer(config: SpeculativeConfig, worker: Worker) -> Proposer:
+def build_proposer(config: SpeculativeConfig, target: TargetHandle) -> Proposer:
     """The proposer for `config`; model-based ones share the target's dtype, device and KV sizing."""
     if config.method == "ngram":
         from engine.proposers.ngram import NgramProposer
@@ -20,9 +15,7 @@ def build_proposer(config: SpeculativeConfig, worker: Worker) -> Proposer:
     if config.method == "draft_model":
         from engine.proposers.draft_model import DraftModelProposer
 
-        return DraftModelProposer(config.model, worker.dtype, worker.device,
-                                  worker.kv_spec.num_blocks, worker.kv_spec.block_size,
-                                  worker.arch.vocab_size)
+        return DraftModelProposer(config.model, target)
     if config.method == "suffix":
         from engine.proposers.suffix import SuffixProposer
 
@@ -32,18 +25,12 @@ def build_proposer(config: SpeculativeConfig, worker: Worker) -> Proposer:
     if config.method == "mlp_speculator":
         from engine.proposers.mlp_speculator import MLPSpeculatorProposer
 
-        model = worker.model
-        return MLPSpeculatorProposer(config.model, model.embed_tokens, model.lm_head,
-                                     worker.arch.hidden_size, worker.arch.vocab_size, worker.dtype,
-                                     worker.device)
+        return MLPSpeculatorProposer(config.model, target)
     if config.method == "eagle":
         from engine.proposers.eagle import EagleProposer
 
-        model = worker.model
-        return EagleProposer(config.model, worker.arch, model.embed_tokens, model.lm_head,
-                             worker.dtype, worker.device, worker.kv_spec.num_blocks,
-                             worker.kv_spec.block_size)
+        return EagleProposer(config.model, target)
     raise ValueError(f"unknown speculative method {config.method!r}")
 
 
-__all__ = ["DraftProposal", "Proposer", "build_proposer"]
+__all__ = ["DraftProposal", "Proposer", "TargetHandle", "build_proposer"]

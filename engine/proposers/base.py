@@ -3,14 +3,40 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from engine.models.arch import LlamaArch
 from engine.request import Request
 from engine.sample.sampler import process_request_logits, request_probs, sample_one
 from engine.step_layout import DraftProposal
 
-__all__ = ["DraftProposal", "Proposer", "model_draft_proposal", "sample_draft_token"]
+__all__ = ["DraftProposal", "Proposer", "TargetHandle", "model_draft_proposal",
+           "sample_draft_token"]
+
+
+@dataclass(frozen=True)
+class TargetHandle:
+    """What a drafter may use of the target: its shape, dtype and device, its model (drafters read
+    its embedding and LM head, never change them), and its KV pool's sizing (drafters size theirs
+    alike, so a request that fits the target fits the drafter)."""
+
+    arch: LlamaArch
+    model: nn.Module
+    dtype: torch.dtype
+    device: torch.device
+    num_blocks: int
+    block_size: int
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.lm_head
 
 
 class Proposer(ABC):

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.attention import build_attention_metadata
-from engine.block_manager import BlockManager
 from engine.models.arch import LlamaArch
-from engine.models.build import allocate_kv_cache, build_model
+from engine.models.build import build_model
 from engine.models.loader import load_checkpoint
-from engine.proposers.base import DraftProposal, Proposer, model_draft_proposal, sample_draft_token
+from engine.paged_runner import PagedRunner, SequenceRows
+from engine.proposers.base import DraftProposal, Proposer, TargetHandle
+from engine.proposers.chain import draft_chains
 from engine.request import Request
 
 
@@ -31,49 +31,45 @@ class _DraftState:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, model_path: str, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int, target_vocab_size: int) -> None:
-        checkpoint = load_checkpoint(model_path, dtype)
-        self.arch = LlamaArch.from_hf_config(checkpoint.hf_config)
-        if self.arch.vocab_size != target_vocab_size:
-            raise ValueError(f"draft model vocab {self.arch.vocab_size} differs from the target's "
-                             f"{target_vocab_size}: a draft must share the target's tokenizer")
-        self.model, _ = build_model(checkpoint, dtype, device)
-        self.device = device
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.kv_caches = allocate_kv_cache(self.arch, num_blocks, block_size, dtype, device)
+    def __init__(self, model_path: str, target: TargetHandle) -> None:
+        checkpoint = load_checkpoint(model_path, target.dtype)
+        arch = LlamaArch.from_hf_config(checkpoint.hf_config)
+        if arch.vocab_size != target.arch.vocab_size:
+            raise ValueError(f"draft model vocab {arch.vocab_size} differs from the target's "
+                             f"{target.arch.vocab_size}: a draft must share the target's tokenizer")
+        model, _ = build_model(checkpoint, target.dtype, target.device)
+        self.runner = PagedRunner.with_own_pool(model, arch, target.num_blocks, target.block_size,
+                                                target.dtype, target.device)
         self.states: dict[str, _DraftState] = {}
 
+    @torch.inference_mode()
     def propose(self, requests: list[Request], max_num_tokens: list[int],
                 target_hidden: torch.Tensor | None) -> list[DraftProposal]:
-        active = [i for i, k in enumerate(max_num_tokens) if k > 0]
-        drafts: dict[int, list[int]] = {i: [] for i in active}
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        for i in active:
-            self._roll_back(requests[i])
-        for position in range(max(max_num_tokens, default=0)):
-            batch = [i for i in active if max_num_tokens[i] > position]
-            batch = [i for i in batch if self._reserve(requests[i], drafts[i])]
-            if not batch:
-                break
-            logits = self._forward([requests[i] for i in batch], [drafts[i] for i in batch])
-            for row, i in enumerate(batch):
-                token, q = sample_draft_token(logits[row], requests[i], drafts[i])
-                drafts[i].append(token)
-                probs[i].append(q)
-            active = batch
-        proposals = []
-        for i, request in enumerate(requests):
+        for request, cap in zip(requests, max_num_tokens):
+            if cap > 0:
+                self._roll_back(request)
+
+        def advance(step: int, rows: list[int],
+                    drafts: dict[int, list[int]]) -> tuple[list[int], torch.Tensor | None]:
+            ran = [i for i in rows if self._reserve(requests[i], drafts[i])]
+            if not ran:
+                return ran, None
+            inputs = self.runner.prepare([self._next_rows(requests[i], drafts[i]) for i in ran])
+            hidden = self.runner.run(inputs)
+            return ran, self.runner.logits(hidden[inputs.last_rows])
+
+        proposals = draft_chains(requests, max_num_tokens, advance)
+        for index, (request, proposal) in enumerate(zip(requests, proposals)):
             state = self.states.get(request.request_id)
-            tokens = drafts.get(i, []) if state is not None else []
-            if tokens:
-                state.base_len, state.draft_token_ids = request.num_tokens, list(tokens)
-            proposals.append(model_draft_proposal(request, tokens, probs.get(i, [])))
+            if state is None:  # its pool ran out mid-chain: the cache no longer says what it holds
+                proposals[index] = DraftProposal([], None)
+            elif proposal.token_ids:
+                state.base_len, state.draft_token_ids = request.num_tokens, list(proposal.token_ids)
         return proposals
 
     def free(self, request_id: str) -> None:
         self.states.pop(request_id, None)
-        self.blocks.free(request_id)
+        self.runner.free(request_id)
 
     # ------------------------------------------------------------------ internals
     def _roll_back(self, request: Request) -> None:
@@ -101,29 +97,16 @@ class DraftModelProposer(Proposer):
 
     def _reserve(self, request: Request, drafts: list[int]) -> bool:
         state = self.states[request.request_id]
-        total = state.num_cached + len(self._pending(request, drafts))
-        if self.blocks.can_allocate(request.request_id, total):
-            self.blocks.allocate(request.request_id, total)
+        if self.runner.reserve(request.request_id,
+                               state.num_cached + len(self._pending(request, drafts))):
             return True
         self.free(request.request_id)  # the draft pool is full: no draft for this request
         return False
 
-    @torch.inference_mode()
-    def _forward(self, requests: list[Request], drafts: list[list[int]]) -> torch.Tensor:
-        """One draft pass over the pending tokens of every request; logits at each one's last row."""
-        token_ids, positions, query_lens, seq_lens, tables, last_rows = [], [], [], [], [], []
-        for request, own_drafts in zip(requests, drafts):
-            state = self.states[request.request_id]
-            pending = self._pending(request, own_drafts)
-            token_ids += pending
-            positions += range(state.num_cached, state.num_cached + len(pending))
-            state.num_cached += len(pending)
-            query_lens.append(len(pending))
-            seq_lens.append(state.num_cached)
-            tables.append(self.blocks.block_table(request.request_id))
-            last_rows.append(len(token_ids) - 1)
-        meta = build_attention_metadata(query_lens, seq_lens, tables, self.blocks.block_size,
-                                        self.arch.sliding_window, self.device)
-        hidden = self.model(torch.tensor(token_ids, device=self.device),
-                            torch.tensor(positions, device=self.device), meta, self.kv_caches)
-        return self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)])
+    def _next_rows(self, request: Request, drafts: list[int]) -> SequenceRows:
+        """This pass's rows for the request; its cache then holds them."""
+        state = self.states[request.request_id]
+        pending = self._pending(request, drafts)
+        rows = SequenceRows(request.request_id, state.num_cached, pending)
+        state.num_cached += len(pending)
+        return rows

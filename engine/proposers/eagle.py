@@ -19,11 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention import build_attention_metadata
-from engine.block_manager import BlockManager
-from engine.models.arch import LlamaArch
-from engine.models.build import allocate_kv_cache
-from engine.proposers.base import DraftProposal, Proposer, model_draft_proposal, sample_draft_token
+from engine.paged_runner import PagedInputs, PagedRunner, SequenceRows
+from engine.proposers.base import DraftProposal, Proposer, TargetHandle
+from engine.proposers.chain import draft_chains
 from engine.proposers.eagle_head import EagleHead
 from engine.proposers.target_features import TargetFeatureStore
 from engine.request import Request
@@ -58,21 +56,19 @@ class _EagleState:
 class EagleProposer(Proposer):
     needs_committed_hidden = True
 
-    def __init__(self, folder: str, target: LlamaArch, embed_tokens: nn.Embedding,
-                 lm_head: nn.Module, dtype: torch.dtype, device: torch.device,
-                 num_blocks: int, block_size: int) -> None:
-        self.head = EagleHead.load(folder, target, dtype, device)
-        arch = self.head.config.layer_arch(target)
+    def __init__(self, folder: str, target: TargetHandle) -> None:
+        self.head = EagleHead.load(folder, target.arch, target.dtype, target.device)
+        self.runner = PagedRunner.with_own_pool(self.head, self.head.config.layer_arch(target.arch),
+                                                target.num_blocks, target.block_size,
+                                                target.dtype, target.device)
         # the target's embedding, read-only; the LM-head rows of the draft vocabulary, a copy
-        self.embed_tokens = embed_tokens
-        self.draft_head = self.head.draft_head_weight(linear_weight(lm_head))  # [draft, hidden]
-        self.vocab_size = target.vocab_size
-        self.dtype, self.device = dtype, device
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.kv_cache = allocate_kv_cache(arch, num_blocks, block_size, dtype, device)[0]
-        # NOTE: sized like the target's pool (num_blocks, block_size are the target's)
-        self.target_features = TargetFeatureStore(num_blocks, block_size, target.hidden_size, dtype,
-                                                  device)
+        self.embed_tokens = target.embed_tokens
+        self.draft_head = self.head.draft_head_weight(linear_weight(target.lm_head))  # [draft, hidden]
+        self.vocab_size = target.arch.vocab_size
+        self.dtype, self.device = target.dtype, target.device
+        self.target_features = TargetFeatureStore(target.num_blocks, target.block_size,
+                                                  target.arch.hidden_size, target.dtype,
+                                                  target.device)
         self.states: dict[str, _EagleState] = {}
         # requests whose features went missing (never expected): they draft nothing from then on
         self.disabled: set[str] = set()
@@ -103,30 +99,29 @@ class EagleProposer(Proposer):
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_num_tokens: list[int],
                 target_hidden: torch.Tensor | None) -> list[DraftProposal]:
-        active = [i for i, cap in enumerate(max_num_tokens)
-                  if cap > 0 and self._reserve(requests[i], cap)]
-        drafts: dict[int, list[int]] = {i: [] for i in active}
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        if active:
-            last = self._catch_up([requests[i] for i in active])
-            for step in range(max(max_num_tokens[i] for i in active)):
-                if step:
-                    keep = [row for row, i in enumerate(active) if max_num_tokens[i] > step]
-                    active, last = [active[row] for row in keep], last[keep]
-                    last = self._roll_out([requests[i] for i in active],
-                                          [drafts[i][-1] for i in active], last, step)
-                logits = self._logits(last)
-                for row, i in enumerate(active):
-                    token, q = sample_draft_token(logits[row], requests[i], drafts[i])
-                    drafts[i].append(token)
-                    probs[i].append(q)
-        return [model_draft_proposal(request, drafts.get(i, []), probs.get(i, []))
-                for i, request in enumerate(requests)]
+        caps = [cap if cap > 0 and self._reserve(request, cap) else 0
+                for request, cap in zip(requests, max_num_tokens)]
+        # the head's h at each drafting request's newest position, row by row of `last_rows`
+        last: torch.Tensor | None = None
+        last_rows: list[int] = []
+
+        def advance(step: int, rows: list[int],
+                    drafts: dict[int, list[int]]) -> tuple[list[int], torch.Tensor]:
+            nonlocal last, last_rows
+            if step == 0:
+                last = self._catch_up([requests[i] for i in rows])
+            else:
+                last = self._roll_out([requests[i] for i in rows], [drafts[i][-1] for i in rows],
+                                      last[[last_rows.index(i) for i in rows]], step)
+            last_rows = rows
+            return rows, self._logits(last)
+
+        return draft_chains(requests, caps, advance)
 
     def free(self, request_id: str) -> None:
         self.states.pop(request_id, None)
         self.disabled.discard(request_id)
-        self.blocks.free(request_id)
+        self.runner.free(request_id)
 
     # ------------------------------------------------------------------ internals
     def _reserve(self, request: Request, cap: int) -> bool:
@@ -140,51 +135,38 @@ class EagleProposer(Proposer):
         if not (state.num_cached < num_tokens and state.feature_start <= state.num_cached - 1
                 and state.feature_end >= num_tokens - 1):
             return False
-        total = num_tokens + cap - 1
-        if not self.blocks.can_allocate(request.request_id, total):
+        if not self.runner.reserve(request.request_id, num_tokens + cap - 1):
             self._disable(request.request_id)  # the head's pool is full: no drafts for this one
             return False
-        self.blocks.allocate(request.request_id, total)
         return True
 
     def _catch_up(self, requests: list[Request]) -> torch.Tensor:
         """Feed every committed token the head has not seen, with the target's feature before it;
         returns h at each request's newest token: [len(requests), hidden]."""
-        token_ids, features, positions, query_lens, seq_lens, tables = [], [], [], [], [], []
+        sequences, features = [], []
         for request in requests:
             state = self.states[request.request_id]
             start, end = state.num_cached, request.num_tokens
-            token_ids += request.token_ids_between(start, end)
+            sequences.append(SequenceRows(request.request_id, start,
+                                          request.token_ids_between(start, end)))
             offset = start - 1 - state.feature_start
             features.append(state.features[offset:offset + end - start])
-            positions += range(start, end)
-            query_lens.append(end - start)
-            seq_lens.append(end)
-            tables.append(self.blocks.block_table(request.request_id))
             state.num_cached = end
             # keep f_{end-1}: the next catch-up starts at position `end`
             state.features = state.features[end - 1 - state.feature_start:]
             state.feature_start = end - 1
-        hidden = self._forward(token_ids, torch.cat(features), positions, query_lens, seq_lens,
-                               tables)
-        last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-        return hidden[last_rows]
+        inputs = self.runner.prepare(sequences)
+        return self._run(inputs, torch.cat(features))[inputs.last_rows]
 
     def _roll_out(self, requests: list[Request], tokens: list[int], features: torch.Tensor,
                   step: int) -> torch.Tensor:
         """One more draft position per request, from its last draft token and the head's own h."""
-        positions = [r.num_tokens - 1 + step for r in requests]
-        return self._forward(tokens, features, positions, [1] * len(requests),
-                             [p + 1 for p in positions],
-                             [self.blocks.block_table(r.request_id) for r in requests])
+        return self._run(self.runner.prepare([
+            SequenceRows(request.request_id, request.num_tokens - 1 + step, [token])
+            for request, token in zip(requests, tokens)]), features)
 
-    def _forward(self, token_ids: list[int], features: torch.Tensor, positions: list[int],
-                 query_lens: list[int], seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
-        meta = build_attention_metadata(query_lens, seq_lens, tables, self.blocks.block_size, None,
-                                        self.device)
-        embeds = self.embed_tokens(torch.tensor(token_ids, device=self.device))
-        return self.head(embeds, features, torch.tensor(positions, device=self.device), meta,
-                         self.kv_cache)
+    def _run(self, inputs: PagedInputs, features: torch.Tensor) -> torch.Tensor:
+        return self.runner.run(inputs, self.embed_tokens(inputs.input_ids), features)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits, -inf outside the draft vocabulary: [rows, vocab]."""
@@ -195,4 +177,4 @@ class EagleProposer(Proposer):
     def _disable(self, request_id: str) -> None:
         self.disabled.add(request_id)
         self.states.pop(request_id, None)
-        self.blocks.free(request_id)
+        self.runner.free(request_id)

@@ -92,11 +92,12 @@ class EagleHead(nn.Module):
                              torch.zeros(config.draft_vocab_size, dtype=torch.int64))
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """token_embeds, features: [T, hidden] (x_p's embedding, f_{p-1}); returns h [T, hidden]."""
+                meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """token_embeds, features: [T, hidden] (x_p's embedding, f_{p-1}); kv_caches: the one
+        layer's cache, in a list as a model's; returns h [T, hidden]."""
         x = self.fc(torch.cat([token_embeds, features], dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
-        return self.layer(x, cos, sin, meta, kv_cache)
+        return self.layer(x, cos, sin, meta, kv_caches[0])
 
     def draft_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """The target's LM-head rows of the draft vocabulary: [draft_vocab, hidden]."""

@@ -21,7 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.proposers.base import DraftProposal, Proposer, model_draft_proposal, sample_draft_token
+from engine.proposers.base import DraftProposal, Proposer, TargetHandle
+from engine.proposers.chain import draft_chains
 from engine.proposers.speculator_folder import WEIGHTS_FILE, read_config, write_config
 from engine.request import Request
 
@@ -82,19 +83,18 @@ class MLPSpeculator(nn.Module):
 class MLPSpeculatorProposer(Proposer):
     """Drafts from the target's hidden state at the row that produced each request's newest token."""
 
-    def __init__(self, folder: str, embed_tokens: nn.Embedding, lm_head: nn.Module,
-                 hidden_size: int, vocab_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.speculator = MLPSpeculator.load(folder, dtype, device)
+    def __init__(self, folder: str, target: TargetHandle) -> None:
+        self.speculator = MLPSpeculator.load(folder, target.dtype, target.device)
         config = self.speculator.config
+        hidden_size, vocab_size = target.arch.hidden_size, target.arch.vocab_size
         if (config.hidden_size, config.vocab_size) != (hidden_size, vocab_size):
             raise ValueError(
                 f"the speculator in {folder} was trained for hidden size {config.hidden_size} and "
                 f"vocabulary {config.vocab_size}; the target has {hidden_size} and {vocab_size}")
         # the target's own modules, read-only
-        self.embed_tokens = embed_tokens
-        self.lm_head = lm_head
-        self.device = device
+        self.embed_tokens = target.embed_tokens
+        self.lm_head = target.lm_head
+        self.device = target.device
 
     @property
     def num_stages(self) -> int:
@@ -103,27 +103,23 @@ class MLPSpeculatorProposer(Proposer):
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_num_tokens: list[int],
                 target_hidden: torch.Tensor | None) -> list[DraftProposal]:
+        if target_hidden is None:
+            return [DraftProposal([], None) for _ in requests]
         caps = [min(cap, self.num_stages) for cap in max_num_tokens]
-        active = [i for i, cap in enumerate(caps) if cap > 0]
-        drafts: dict[int, list[int]] = {i: [] for i in active}
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
-        if active and target_hidden is not None:
-            state = target_hidden[active]  # [rows, hidden]
-            tokens = [(requests[i].output_token_ids or requests[i].prompt_token_ids)[-1]
-                      for i in active]
-            for stage in range(max(caps[i] for i in active)):
-                # NOTE: a request stops at its own cap, and draws no random numbers past it, so a
-                # seeded request's drafts do not depend on the rest of the batch
-                keep = [row for row, i in enumerate(active) if caps[i] > stage]
-                active, state = [active[row] for row in keep], state[keep]
-                tokens = [tokens[row] for row in keep]
-                state = self.speculator.stage(stage, state, self.embed_tokens(
-                    torch.tensor(tokens, device=self.device)))
-                logits = self.lm_head(state)  # [rows, vocab]
-                for row, i in enumerate(active):
-                    token, q = sample_draft_token(logits[row], requests[i], drafts[i])
-                    tokens[row] = token
-                    drafts[i].append(token)
-                    probs[i].append(q)
-        return [model_draft_proposal(request, drafts.get(i, []), probs.get(i, []))
-                for i, request in enumerate(requests)]
+        # each drafting request's running state, row by row of `state_rows`
+        state_rows = [i for i, cap in enumerate(caps) if cap > 0]
+        state = target_hidden[state_rows]  # [rows, hidden]
+
+        def advance(stage: int, rows: list[int],
+                    drafts: dict[int, list[int]]) -> tuple[list[int], torch.Tensor]:
+            nonlocal state, state_rows
+            tokens = [drafts[i][-1] if drafts[i] else
+                      (requests[i].output_token_ids or requests[i].prompt_token_ids)[-1]
+                      for i in rows]
+            kept = state[[state_rows.index(i) for i in rows]]
+            state = self.speculator.stage(stage, kept, self.embed_tokens(
+                torch.tensor(tokens, device=self.device)))
+            state_rows = rows
+            return rows, self.lm_head(state)  # [rows, vocab]
+
+        return draft_chains(requests, caps, advance)

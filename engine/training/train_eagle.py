@@ -127,7 +127,7 @@ def unrolled_hidden(head: EagleHead, embeds: torch.Tensor, features: torch.Tenso
     positions = torch.arange(chain.window, device=features.device).repeat(chain.batch)
     outputs = []
     for step in range(1, chain.num_steps + 1):
-        hidden = head(embeds, features, positions, chain.metadata(step), kv_cache)
+        hidden = head(embeds, features, positions, chain.metadata(step), [kv_cache])
         outputs.append(hidden)
         # the next step reads this step's output at the previous position
         features = torch.cat([torch.zeros_like(hidden[:1]), hidden[:-1]])

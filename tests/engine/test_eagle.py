@@ -76,7 +76,7 @@ def test_the_head_reads_the_target_features_of_the_right_positions(target, untra
     from engine.proposers.eagle import EagleProposer
     from engine.training.train_speculator import load_reference
 
-    catch_up, forward = EagleProposer._catch_up, EagleProposer._forward
+    catch_up, run = EagleProposer._catch_up, EagleProposer._run
     rows: list[tuple[int, int, torch.Tensor]] = []
 
     def spy_catch_up(self, requests):
@@ -86,13 +86,14 @@ def test_the_head_reads_the_target_features_of_the_right_positions(target, untra
         finally:
             self.spying = False
 
-    def spy_forward(self, token_ids, features, positions, *rest):
+    def spy_run(self, inputs, features):
         if getattr(self, "spying", False):
-            rows.extend(zip(token_ids, positions, features.clone()))
-        return forward(self, token_ids, features, positions, *rest)
+            rows.extend(zip(inputs.input_ids.tolist(), inputs.positions.tolist(),
+                            features.clone()))
+        return run(self, inputs, features)
 
     monkeypatch.setattr(EagleProposer, "_catch_up", spy_catch_up)
-    monkeypatch.setattr(EagleProposer, "_forward", spy_forward)
+    monkeypatch.setattr(EagleProposer, "_run", spy_run)
     out = spec_llm(target, untrained, k=3, max_num_batched_tokens=5).generate(
         {"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
     sequence = PROMPTS[1] + out.outputs[0].token_ids
@@ -157,14 +158,14 @@ def test_the_unrolled_training_layout_is_what_drafting_computes(arch, untrained)
                                             8, None, torch.device("cpu"))
             with torch.no_grad():
                 hidden = head(embeds[flat], true_features[flat], torch.arange(first + 1 - start),
-                              meta, kv_cache)[-1:]
+                              meta, [kv_cache])[-1:]
                 for extra in range(1, step):
                     seq_len = first + 1 - start + extra
                     meta = build_attention_metadata([1], [seq_len], [[0, 1, 2, 3]], 8, None,
                                                     torch.device("cpu"))
                     token = row * window + first + extra
                     hidden = head(embeds[token:token + 1], hidden, torch.tensor([seq_len - 1]),
-                                  meta, kv_cache)
+                                  meta, [kv_cache])
             want = unrolled[step - 1][row * window + position]
             torch.testing.assert_close(hidden[0], want, msg=f"row {row} pos {position} step {step}")
 

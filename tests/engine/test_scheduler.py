@@ -22,11 +22,10 @@ def make_scheduler(*, num_blocks: int = 64, max_model_len: int = 64, max_num_seq
                    max_num_batched_tokens: int = 64) -> Scheduler:
     # NOTE: the worker guarantees the pool holds max_model_len tokens; the tests keep that invariant
     assert num_blocks * BLOCK_SIZE >= max_model_len
-    # NOTE: caching off: every request here has the same prompt tokens, and these tests count plain
-    # blocks (caching's own scheduler tests are in test_prefix_caching_engine.py)
+    # NOTE: a plain pool, caching off: every request here has the same prompt tokens, and these
+    # tests count plain blocks (caching's scheduler tests are in test_prefix_caching_engine.py)
     return Scheduler(
-        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        enable_prefix_caching=False),
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         KVCacheSpec(num_blocks, BLOCK_SIZE, max_model_len, bytes_per_token=1))
 
 
