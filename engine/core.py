@@ -60,6 +60,8 @@ class EngineCore:
         self.proposer: Proposer | None = (
             None if speculative_config is None
             else build_proposer(speculative_config, self.worker.target_handle()))
+        if self.proposer is not None and self.proposer.target_feature_layers:
+            self.worker.capture_aux_hidden(self.proposer.target_feature_layers)
         self.adaptive: AdaptiveSpeculation | None = None
         if speculative_config is not None and speculative_config.adaptive:
             self.adaptive = AdaptiveSpeculation()

@@ -5,6 +5,7 @@
     {"method": "suffix", "num_speculative_tokens": 4, "suffix_max_depth": 24}
     {"method": "mlp_speculator", "model": "/path/to/speculator", "num_speculative_tokens": 3}
     {"method": "eagle", "model": "/path/to/eagle-head", "num_speculative_tokens": 3}
+    {"method": "eagle3", "model": "/path/to/eagle3-head", "num_speculative_tokens": 3}
     {"method": "ngram", "num_speculative_tokens": 5, "adaptive": true}
 
 With "adaptive", num_speculative_tokens is the most a request drafts: each step the engine picks
@@ -22,7 +23,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mlp_speculator", "suffix")
 # what `specserve serve` speculates with unless told otherwise ("none" turns it off): suffix drafts
 # cost nothing and need no second model, and adaptive k backs off where drafts do not pay (a busy
 # batch, text it cannot guess), so it is never much slower than plain decoding (docs/perf.md)
@@ -71,7 +72,11 @@ class SpeculativeConfig:
                              '.gguf file of a smaller model with the same tokenizer')
         if self.method in ("mlp_speculator", "eagle") and not self.model:
             raise ValueError(f'speculative method "{self.method}" needs "model": a folder written '
-                             f'by `specserve train-speculator --method {self.method}`')
+                             f'by `specserve train-speculator --method {self.method}`, or one '
+                             f'published for the target')
+        if self.method == "eagle3" and not self.model:
+            raise ValueError('speculative method "eagle3" needs "model": an EAGLE-3 head folder '
+                             '(the EAGLE authors\' layout or vLLM speculators\')')
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

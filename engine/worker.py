@@ -28,8 +28,9 @@ class ModelRunnerOutput:
     # [num_sampling_rows, hidden]: the final-norm hidden states those logits came from (proposers
     # that draft from the target's features read them)
     hidden: torch.Tensor
-    # [num_tokens, hidden]: the final-norm hidden state of every row of the flattened batch, in
-    # the scheduled order (EAGLE reads the features of every committed position)
+    # [num_tokens, features]: what EAGLE reads at every row of the flattened batch, in the scheduled
+    # order: the final-norm hidden state, or with capture_aux_hidden (EAGLE-3) the residual streams
+    # entering the chosen layers, side by side
     token_hidden: torch.Tensor
 
 
@@ -91,6 +92,13 @@ class Worker:
         """The target's pool; the scheduler fills it."""
         return self.runner.blocks
 
+    def capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
+        """From now on, token_hidden holds the residual streams entering these layers (EAGLE-3)."""
+        if not all(0 <= i < self.arch.num_layers for i in layer_ids):
+            raise ValueError(f"feature layers {list(layer_ids)} out of the target's "
+                             f"{self.arch.num_layers} layers")
+        self.model.aux_hidden_layers = tuple(layer_ids)
+
     def target_handle(self) -> TargetHandle:
         """What drafters may use of the target (engine/proposers/base.py)."""
         return TargetHandle(self.arch, self.model, self.dtype, self.device,
@@ -110,5 +118,6 @@ class Worker:
         inputs = self.runner.prepare(sequences)
         hidden = self.runner.run(inputs)
         rows = hidden[output.layout.logits_indices.to(self.device)]  # [rows, hidden]
+        token_hidden = self.model.aux_hidden_states if self.model.aux_hidden_layers else hidden
         return ModelRunnerOutput(logits=self.runner.logits(rows), hidden=rows,
-                                 token_hidden=hidden)
+                                 token_hidden=token_hidden)

@@ -139,14 +139,23 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # EAGLE-3 reads the residual stream entering these layers (HF's hidden_states[i]); each
+        # forward then leaves them side by side in aux_hidden_states, [num_tokens, n * hidden]
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden_states: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; returns final-norm hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux = []
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            if index in self.aux_hidden_layers:
+                aux.append(x)
             x = layer(x, cos, sin, meta, kv_cache)
+        if self.aux_hidden_layers:
+            self.aux_hidden_states = torch.cat(aux, dim=-1)
         return self.norm(x)
 
     def use_fused_ops(self, fused_ops: ModuleType | None) -> None:

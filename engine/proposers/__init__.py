@@ -26,10 +26,10 @@ def build_proposer(config: SpeculativeConfig, target: TargetHandle) -> Proposer:
         from engine.proposers.mlp_speculator import MLPSpeculatorProposer
 
         return MLPSpeculatorProposer(config.model, target)
-    if config.method == "eagle":
+    if config.method in ("eagle", "eagle3"):
         from engine.proposers.eagle import EagleProposer
 
-        return EagleProposer(config.model, target)
+        return EagleProposer(config.model, target, config.method)
     raise ValueError(f"unknown speculative method {config.method!r}")
 
 

@@ -47,6 +47,9 @@ class Proposer(ABC):
     # adaptive speculation then lets them draft to the full budget and trims what it will not verify,
     # so it weighs drafts that exist instead of positions the proposer might not fill
     drafts_for_free: bool = False
+    # target layers whose entering residual streams record_target_hidden receives, side by side,
+    # instead of the final-norm hidden state (EAGLE-3); empty: the final-norm hidden state
+    target_feature_layers: tuple[int, ...] = ()
 
     @abstractmethod
     def propose(self, requests: list[Request], max_num_tokens: list[int],

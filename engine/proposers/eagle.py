@@ -22,6 +22,7 @@ from torch import nn
 from engine.paged_runner import PagedInputs, PagedRunner, SequenceRows
 from engine.proposers.base import DraftProposal, Proposer, TargetHandle
 from engine.proposers.chain import draft_chains
+from engine.proposers.eagle3_head import Eagle3Head
 from engine.proposers.eagle_head import EagleHead
 from engine.proposers.target_features import TargetFeatureStore
 from engine.request import Request
@@ -54,27 +55,44 @@ class _EagleState:
 
 
 class EagleProposer(Proposer):
+    """EAGLE-1 heads (`method` "eagle": eagle_head.py) and EAGLE-3 heads ("eagle3": eagle3_head.py)
+    draft alike; they differ in the features they read and in how they score tokens."""
+
     needs_committed_hidden = True
 
-    def __init__(self, folder: str, target: TargetHandle) -> None:
-        self.head = EagleHead.load(folder, target.arch, target.dtype, target.device)
-        self.runner = PagedRunner.with_own_pool(self.head, self.head.config.layer_arch(target.arch),
-                                                target.num_blocks, target.block_size,
-                                                target.dtype, target.device)
-        # the target's embedding, read-only; the LM-head rows of the draft vocabulary, a copy
-        self.embed_tokens = target.embed_tokens
-        self.draft_head = self.head.draft_head_weight(linear_weight(target.lm_head))  # [draft, hidden]
+    def __init__(self, folder: str, target: TargetHandle, method: str = "eagle") -> None:
+        if method == "eagle3":
+            self.head, self.target_feature_layers = Eagle3Head.load(
+                folder, target.arch, target.dtype, target.device)
+            layer_arch = self.head.config.layer_arch(target.arch)
+            # the three target layers' streams, fused once as they arrive
+            self._project_features = self.head.fc
+            self._draft_logits = self.head.draft_logits
+            self.embed_tokens = self.head.embed_tokens or target.embed_tokens
+        else:
+            self.head = EagleHead.load(folder, target.arch, target.dtype, target.device)
+            layer_arch = self.head.config.layer_arch(target.arch)
+            # the LM-head rows of the draft vocabulary, a copy
+            draft_head = self.head.draft_head_weight(linear_weight(target.lm_head))
+            self._project_features = None
+            self._draft_logits = lambda hidden: hidden @ draft_head.T
+            # the target's embedding, read-only
+            self.embed_tokens = target.embed_tokens
+        self.feature_size = layer_arch.hidden_size
+        self.runner = PagedRunner.with_own_pool(self.head, layer_arch, target.num_blocks,
+                                                target.block_size, target.dtype, target.device)
         self.vocab_size = target.arch.vocab_size
         self.dtype, self.device = target.dtype, target.device
         self.target_features = TargetFeatureStore(target.num_blocks, target.block_size,
-                                                  target.arch.hidden_size, target.dtype,
-                                                  target.device)
+                                                  self.feature_size, target.dtype, target.device)
         self.states: dict[str, _EagleState] = {}
         # requests whose features went missing (never expected): they draft nothing from then on
         self.disabled: set[str] = set()
 
     def record_target_hidden(self, request: Request, start_position: int, hidden: torch.Tensor,
                              block_table: list[int]) -> None:
+        if self._project_features is not None:
+            hidden = self._project_features(hidden.to(self.dtype))
         # NOTE: first, and for every request: a block this request fills may be cached and read
         # by a later request, whether or not this one drafts
         self.target_features.write(block_table, start_position, hidden)
@@ -84,7 +102,7 @@ class EagleProposer(Proposer):
         state = self.states.get(request_id)
         if state is None:
             state = self.states[request_id] = _EagleState(
-                torch.zeros(1, self.draft_head.shape[1], dtype=self.dtype, device=self.device))
+                torch.zeros(1, self.feature_size, dtype=self.dtype, device=self.device))
         end = start_position + len(hidden)
         if start_position > state.feature_end:
             # a cached prefix: its features were kept by whoever computed its blocks
@@ -172,7 +190,7 @@ class EagleProposer(Proposer):
         """Full-vocabulary logits, -inf outside the draft vocabulary: [rows, vocab]."""
         logits = hidden.new_full((len(hidden), self.vocab_size), float("-inf"))
         index = self.head.draft_token_ids.expand(len(hidden), -1)
-        return logits.scatter_(1, index, hidden @ self.draft_head.T)
+        return logits.scatter_(1, index, self._draft_logits(hidden))
 
     def _disable(self, request_id: str) -> None:
         self.disabled.add(request_id)

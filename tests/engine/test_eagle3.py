@@ -1,0 +1,293 @@
+"""EAGLE-3 heads as they are published (the EAGLE authors' layout and vLLM's speculators layout),
+built small and random with the real key names, config fields and shapes: the published math is read
+right (against an independent reading of the saved tensors), the target's features come from the
+named layers, output is lossless (greedy identical, sampled distribution unchanged), and a head made
+for another model is refused at start-up."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import save_file
+from spec_outputs import token_ids, two_sample_chi2_pvalue
+from tiny_models import build_tiny_checkpoint
+
+from engine import LLM, SamplingParams
+from engine.attention import build_attention_metadata
+from engine.models.arch import LlamaArch
+from engine.models.loader import load_checkpoint
+from engine.proposers.eagle3_head import Eagle3Head
+
+FEATURE_LAYERS = [0, 2, 3]
+PROMPTS = [[1, 5, 9, 13, 2, 7], [1] + list(range(30, 62)), [1, 60], [1, 11, 12, 13, 14]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+LAYOUTS = ("eagle3", "speculators")
+
+
+def layer_config(arch: LlamaArch, **overrides) -> dict:
+    return {"model_type": "llama", "hidden_size": arch.hidden_size,
+            "intermediate_size": 2 * arch.hidden_size, "num_attention_heads": arch.num_heads,
+            "num_key_value_heads": arch.num_kv_heads, "num_hidden_layers": 1,
+            "rms_norm_eps": arch.rms_norm_eps, "vocab_size": arch.vocab_size,
+            "max_position_embeddings": 2048, "rope_theta": 10000.0, "tie_word_embeddings": False,
+            **overrides}
+
+
+def write_head(folder: str, arch: LlamaArch, layout: str, draft_vocab_size: int,
+               feature_layers: list[int] | None = FEATURE_LAYERS, seed: int = 0) -> str:
+    """A random head in `layout`: the authors' ship pytorch_model.bin and share the target's
+    embedding; speculators ship model.safetensors with embeddings of their own."""
+    torch.manual_seed(seed)
+    hidden, heads, kv_heads = arch.hidden_size, arch.num_heads, arch.num_kv_heads
+    head_dim, inner = hidden // heads, 2 * hidden
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape) * 0.15
+
+    def norm() -> torch.Tensor:
+        return 1 + 0.1 * torch.randn(hidden)
+
+    prefix = "midlayer." if layout == "eagle3" else "layers.0."
+    draft_ids = torch.randperm(arch.vocab_size)[:draft_vocab_size].sort().values
+    tensors = {
+        "fc.weight": weight(hidden, 3 * hidden), "norm.weight": norm(),
+        "lm_head.weight": weight(draft_vocab_size, hidden),
+        "d2t": draft_ids - torch.arange(draft_vocab_size),
+        "t2d": torch.zeros(arch.vocab_size, dtype=torch.bool).index_fill_(0, draft_ids, True),
+        prefix + "input_layernorm.weight": norm(), prefix + "hidden_norm.weight": norm(),
+        prefix + "post_attention_layernorm.weight": norm(),
+        prefix + "self_attn.q_proj.weight": weight(heads * head_dim, 2 * hidden),
+        prefix + "self_attn.k_proj.weight": weight(kv_heads * head_dim, 2 * hidden),
+        prefix + "self_attn.v_proj.weight": weight(kv_heads * head_dim, 2 * hidden),
+        prefix + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+        prefix + "mlp.gate_proj.weight": weight(inner, hidden),
+        prefix + "mlp.up_proj.weight": weight(inner, hidden),
+        prefix + "mlp.down_proj.weight": weight(hidden, inner),
+    }
+    os.makedirs(folder, exist_ok=True)
+    if layout == "eagle3":
+        config = {**layer_config(arch), "architectures": ["LlamaForCausalLMEagle3"],
+                  "draft_vocab_size": draft_vocab_size}
+        if feature_layers is not None:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": feature_layers,
+                                      "use_aux_hidden_state": True}
+        torch.save(tensors, os.path.join(folder, "pytorch_model.bin"))
+    else:
+        tensors["embed_tokens.weight"] = weight(arch.vocab_size, hidden)
+        config = {
+            "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": "0.1.0", "draft_vocab_size": draft_vocab_size,
+            "norm_before_residual": True, "target_hidden_size": hidden,
+            "transformer_layer_config": {**layer_config(arch), "architectures":
+                                         ["LlamaForCausalLM"]},
+            "speculators_config": {
+                "algorithm": "eagle3", "default_proposal_method": "greedy",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                "verifier": {"name_or_path": "tiny-llama", "architectures": ["LlamaForCausalLM"]}},
+        }
+        if feature_layers is not None:
+            config["eagle_aux_hidden_state_layer_ids"] = feature_layers
+        save_file({k: v.contiguous() for k, v in tensors.items()},
+                  os.path.join(folder, "model.safetensors"))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> str:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama", seed=43,
+                                 num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def arch(target) -> LlamaArch:
+    return LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def head(request, arch, tmp_path_factory) -> tuple[str, str]:
+    layout = request.param
+    return layout, write_head(str(tmp_path_factory.mktemp(layout)), arch, layout, 64)
+
+
+def spec_llm(target: str, folder: str, k: int = 3, **engine) -> LLM:
+    return LLM(target, dtype="float64", max_model_len=256, num_kv_blocks=64, **engine,
+               speculative_config={"method": "eagle3", "model": folder,
+                                   "num_speculative_tokens": k})
+
+
+@pytest.fixture(scope="module")
+def expected(target) -> list[list[int]]:
+    plain = LLM(target, dtype="float64", max_model_len=256, num_kv_blocks=64)
+    return token_ids(plain.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+
+
+# ---- the published math, read independently -------------------------------------------------
+def reference_head(folder: str, layout: str, embeds: torch.Tensor, fused: torch.Tensor,
+                   arch: LlamaArch) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-3's decoder layer written out from the saved tensors, causal over T positions:
+    (state [T, hidden], draft logits [T, draft_vocab])."""
+    path = os.path.join(folder, "pytorch_model.bin" if layout == "eagle3" else "model.safetensors")
+    if layout == "eagle3":
+        w = {k: v.double() for k, v in torch.load(path, weights_only=True).items()}
+    else:
+        from safetensors.torch import load_file
+        w = {k: v.double() for k, v in load_file(path).items()}
+    p = "midlayer." if layout == "eagle3" else "layers.0."
+    eps, heads, kv_heads = arch.rms_norm_eps, arch.num_heads, arch.num_kv_heads
+    head_dim = arch.hidden_size // heads
+
+    def rms(x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    g = fused @ w["fc.weight"].T if fused.shape[-1] != arch.hidden_size else fused
+    normed = rms(g, w[p + "hidden_norm.weight"])
+    residual = normed if layout == "speculators" else g  # speculators: norm_before_residual
+    x = torch.cat([rms(embeds, w[p + "input_layernorm.weight"]), normed], dim=-1)
+    T = len(x)
+    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, heads, head_dim)
+    k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, kv_heads, head_dim)
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, kv_heads, head_dim)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+
+    def rope(t):
+        half = t.shape[-1] // 2
+        return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
+
+    q, k = rope(q), rope(k)
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    attended = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                              v.transpose(0, 1), is_causal=True)
+    x = residual + attended.transpose(0, 1).reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+    post = rms(x, w[p + "post_attention_layernorm.weight"])
+    mlp = (F.silu(post @ w[p + "mlp.gate_proj.weight"].T) * (post @ w[p + "mlp.up_proj.weight"].T))
+    state = x + mlp @ w[p + "mlp.down_proj.weight"].T
+    return state, rms(state, w["norm.weight"]) @ w["lm_head.weight"].T
+
+
+def test_the_published_math_is_read_right(head, arch):
+    layout, folder = head
+    loaded, layers = Eagle3Head.load(folder, arch, torch.float64, torch.device("cpu"))
+    assert layers == tuple(FEATURE_LAYERS)
+    torch.manual_seed(1)
+    T = 7
+    embeds = torch.randn(T, arch.hidden_size, dtype=torch.float64)
+    fused = torch.randn(T, 3 * arch.hidden_size, dtype=torch.float64)
+    kv = [torch.zeros(2, arch.num_kv_heads, 1, 8, arch.hidden_size // arch.num_heads,
+                      dtype=torch.float64)]
+    meta = build_attention_metadata([T], [T], [[0]], 8, None, torch.device("cpu"))
+    with torch.no_grad():
+        state = loaded(embeds, loaded.fc(fused), torch.arange(T), meta, kv)
+        logits = loaded.draft_logits(state)
+    want_state, want_logits = reference_head(folder, layout, embeds, fused, arch)
+    # NOTE: rotary angles are float32 in the engine, as in the target: ~1e-6 apart from float64
+    torch.testing.assert_close(state, want_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+    d2t = torch.load(os.path.join(folder, "pytorch_model.bin"), weights_only=True)["d2t"] \
+        if layout == "eagle3" else None
+    if d2t is not None:
+        assert loaded.draft_token_ids.tolist() == (torch.arange(64) + d2t).tolist()
+
+
+def test_features_come_from_the_named_target_layers(target, head, monkeypatch):
+    """What the head is handed at each committed position: the residual stream entering target
+    layers 0, 2 and 3 (Hugging Face's hidden_states[0], [2], [3]), side by side."""
+    from engine.proposers.eagle import EagleProposer
+
+    _, folder = head
+    seen: dict[int, torch.Tensor] = {}
+    record = EagleProposer.record_target_hidden
+
+    def spy(self, request, start_position, hidden, block_table):
+        for offset, row in enumerate(hidden):
+            seen[start_position + offset] = row.clone()
+        return record(self, request, start_position, hidden, block_table)
+
+    monkeypatch.setattr(EagleProposer, "record_target_hidden", spy)
+    out = spec_llm(target, folder, max_num_batched_tokens=5).generate(
+        {"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
+    sequence = PROMPTS[1] + out.outputs[0].token_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
+    with torch.no_grad():
+        states = model(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[i][0] for i in FEATURE_LAYERS], dim=-1)
+    assert len(seen) >= len(sequence) - 4
+    for position, row in seen.items():
+        torch.testing.assert_close(row, want[position], rtol=1e-6, atol=1e-6)
+
+
+def test_greedy_is_lossless_and_drafts_are_proposed(target, head, expected):
+    _, folder = head
+    outs = spec_llm(target, folder).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert token_ids(outs) == expected
+    assert all(o.spec_stats.num_draft_tokens > 0 for o in outs)
+
+
+def test_a_cached_prefix_gives_the_same_drafts(target, head, expected):
+    """The fused features of a cached prefix come from beside its blocks."""
+    _, folder = head
+    llm = spec_llm(target, folder)
+    llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)
+    again = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
+    assert again.num_cached_tokens == 32
+    assert again.outputs[0].token_ids == expected[1]
+    fresh = spec_llm(target, folder).generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
+    assert again.spec_stats.num_accepted_draft_tokens == fresh.spec_stats.num_accepted_draft_tokens
+
+
+def test_sampled_distribution_is_unchanged(tmp_path):
+    """Token 3 of the output, mostly verified from EAGLE-3 drafts: the same distribution with and
+    without speculation (two-sample chi-square over 2000 seeded completions each)."""
+    path = build_tiny_checkpoint(tmp_path / "t", "llama", seed=11, vocab_size=12,
+                                 initializer_range=0.05, num_hidden_layers=4)
+    arch = LlamaArch.from_hf_config(load_checkpoint(path, torch.float32).hf_config)
+    folder = write_head(str(tmp_path / "h"), arch, "speculators", 12, seed=3)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    counts = []
+    for spec in (None, {"method": "eagle3", "model": folder, "num_speculative_tokens": 3}):
+        llm = LLM(path, dtype="float64", max_model_len=32, num_kv_blocks=4096, max_num_seqs=256,
+                  speculative_config=spec)
+        params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s)
+                  for s in range(2000)]
+        outs = llm.generate([{"prompt_token_ids": prompt}] * 2000, params)
+        counts.append(np.bincount([o.outputs[0].token_ids[2] for o in outs], minlength=12))
+        if spec is not None:
+            assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 100
+    assert two_sample_chi2_pvalue(*counts) > 1e-4, counts
+
+
+# ---- refused at start-up -----------------------------------------------------------------------
+def test_a_head_for_another_model_is_refused(target, arch, tmp_path):
+    other = LlamaArch.from_hf_config(load_checkpoint(build_tiny_checkpoint(
+        tmp_path / "wide", "llama", hidden_size=32, num_hidden_layers=4), torch.float32).hf_config)
+    for layout in LAYOUTS:
+        with pytest.raises(ValueError, match="hidden size 32 .*the target has 64"):
+            spec_llm(target, write_head(str(tmp_path / f"wide-{layout}"), other, layout, 16))
+    from dataclasses import replace
+    bigger_vocab = replace(arch, vocab_size=arch.vocab_size + 8)
+    with pytest.raises(ValueError, match=f"vocabulary {arch.vocab_size + 8}"):
+        spec_llm(target, write_head(str(tmp_path / "vocab"), bigger_vocab, "eagle3", 16))
+    with pytest.raises(ValueError, match=r"reads target layers \[0, 2, 9\]"):
+        spec_llm(target, write_head(str(tmp_path / "deep"), arch, "eagle3", 16, [0, 2, 9]))
+
+
+def test_eagle3s_default_layers(tmp_path):
+    """No layers named: EAGLE-3's 2, L // 2, L - 3; a target too shallow for them is refused."""
+    deep = build_tiny_checkpoint(tmp_path / "deep", "llama", seed=2, num_hidden_layers=8)
+    arch = LlamaArch.from_hf_config(load_checkpoint(deep, torch.float32).hf_config)
+    folder = write_head(str(tmp_path / "head"), arch, "speculators", 32, feature_layers=None)
+    llm = spec_llm(deep, folder)
+    assert llm.engine.proposer.target_feature_layers == (2, 4, 5)
+    assert llm.engine.worker.model.aux_hidden_layers == (2, 4, 5)
+    shallow = build_tiny_checkpoint(tmp_path / "shallow", "llama", seed=2, num_hidden_layers=4)
+    with pytest.raises(ValueError, match=r"\[2, 2, 1\] \(default\)"):
+        spec_llm(shallow, folder)
