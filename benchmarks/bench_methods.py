@@ -1,10 +1,11 @@
 """Every speculation method side by side on the embedded model, one run: tokens/s, α and τ per
 workload (greedy, batch 1, float32), and whether each method's tokens equal plain decoding's.
 
-Run: python -m benchmarks.bench_methods [--speculator DIR] [--eagle DIR] [--draft DIR] [--max-tokens 128]
+Run: python -m benchmarks.bench_methods [--speculator DIR] [--eagle DIR] [--eagle3 DIR] [--draft DIR]
+     [--max-tokens 128]
      [--repeats 2] [--threads 2] [--workloads code_editing,extraction,open_chat] [--methods ngram,...]
-The MLP speculator row needs --speculator and the EAGLE row --eagle (folders from
-`specserve train-speculator [--method eagle]`); the draft
+The MLP speculator row needs --speculator, the EAGLE row --eagle and the EAGLE-3 row --eagle3
+(folders from `specserve train-speculator [--method eagle|eagle3]`, or published heads); the draft
 model defaults to the layer-skip cut of benchmarks/make_draft.py. "suffix" drafts from the request's
 own tokens only; "suffix+cache" also from earlier requests' outputs, which here include the same
 prompt's previous repeat: the case of a repeated or agentic request, not of a fresh one.
@@ -44,6 +45,9 @@ def method_configs(args: argparse.Namespace) -> dict[str, dict | None]:
     if args.eagle:
         configs["eagle"] = {"method": "eagle", "model": args.eagle,
                             "num_speculative_tokens": args.eagle_k}
+    if args.eagle3:
+        configs["eagle3"] = {"method": "eagle3", "model": args.eagle3,
+                             "num_speculative_tokens": args.eagle_k}
     return configs
 
 
@@ -53,7 +57,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--speculator", default=None, help="MLP speculator folder")
     parser.add_argument("--eagle", default=None, help="EAGLE head folder")
-    parser.add_argument("--eagle-k", type=int, default=3, help="EAGLE draft tokens per step")
+    parser.add_argument("--eagle3", default=None, help="EAGLE-3 head folder")
+    parser.add_argument("--eagle-k", type=int, default=3,
+                        help="EAGLE and EAGLE-3 draft tokens per step")
     parser.add_argument("--draft", default=None, help="draft model folder (default: layer-skip)")
     parser.add_argument("--workloads", default="code_editing,extraction,open_chat")
     parser.add_argument("--methods", default=None,

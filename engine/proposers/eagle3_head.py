@@ -23,11 +23,14 @@ target's is shared). Without named layers, EAGLE-3's default is used: 2, L // 2 
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from engine.attention import AttentionMetadata
@@ -60,6 +63,21 @@ class Eagle3Config:
     @property
     def hidden_size(self) -> int:
         return int(self.layer["hidden_size"])
+
+    @classmethod
+    def for_target(cls, target: LlamaArch, draft_vocab_size: int,
+                   feature_layers: tuple[int, ...]) -> Eagle3Config:
+        """A head shaped like one layer of the target (what `train-speculator` trains); saved in
+        the speculators layout, as vLLM's speculators library writes it."""
+        layer = {"model_type": "llama", "hidden_size": target.hidden_size,
+                 "intermediate_size": target.intermediate_size,
+                 "num_attention_heads": target.num_heads,
+                 "num_key_value_heads": target.num_kv_heads, "head_dim": target.head_dim,
+                 "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
+                 "vocab_size": target.vocab_size,
+                 "max_position_embeddings": target.max_position_embeddings}
+        return cls("speculators", layer, target.vocab_size, draft_vocab_size, target.hidden_size,
+                   tuple(feature_layers), norm_before_residual=True)
 
     @classmethod
     def read(cls, folder: str) -> Eagle3Config:
@@ -154,6 +172,44 @@ class Eagle3Head(nn.Module):
     def draft_logits(self, state: torch.Tensor) -> torch.Tensor:
         """[T, draft_vocab] from the head's state."""
         return self.lm_head(self.norm(state))
+
+    def save(self, folder: str, trained_for: str = "") -> None:
+        """The speculators layout: config.json and model.safetensors (q/k/v and gate/up unfused)."""
+        config = self.config
+        os.makedirs(folder, exist_ok=True)
+        state = {name: t.detach().float().contiguous() for name, t in self.state_dict().items()
+                 if name not in ("draft_token_ids", "rotary.inv_freq")}
+        tensors = {}
+        for name, tensor in state.items():
+            if name.startswith(("self_attn.", "mlp.", "input_layernorm", "hidden_norm",
+                                "post_attention_layernorm")):
+                for fused, shards in (("qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                                      ("gate_up_proj", ("gate_proj", "up_proj"))):
+                    if f".{fused}." in name:
+                        for shard, split in enumerate(shards):
+                            start, size = self._shard_span(fused, shard)
+                            tensors["layers.0." + name.replace(fused, split)] = \
+                                tensor.narrow(0, start, size).contiguous()
+                        break
+                else:
+                    tensors["layers.0." + name] = tensor
+            else:
+                tensors[name] = tensor
+        ids = self.draft_token_ids.cpu()
+        tensors["d2t"] = ids - torch.arange(len(ids))
+        tensors["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({
+                "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                "draft_vocab_size": config.draft_vocab_size,
+                "norm_before_residual": config.norm_before_residual,
+                "target_hidden_size": config.target_hidden_size,
+                "eagle_aux_hidden_state_layer_ids": list(config.feature_layers or ()),
+                "transformer_layer_config": {**config.layer,
+                                             "architectures": ["LlamaForCausalLM"]},
+                "speculators_config": {"algorithm": "eagle3", "trained_for": trained_for},
+            }, f, indent=2)
 
     @classmethod
     def load(cls, folder: str, target: LlamaArch, dtype: torch.dtype,

@@ -1,4 +1,5 @@
-"""Train an EAGLE head (engine/proposers/eagle_head.py) for a served model by self-distillation.
+"""Train an EAGLE head (engine/proposers/eagle_head.py) or, with --method eagle3, an EAGLE-3 head
+(engine/proposers/eagle3_head.py) for a served model by self-distillation.
 
 1. Text: the model's own answers to chat prompts (and, with --documents, standard-library
    documentation read as its answer). Any text works, because the labels come from the target:
@@ -12,6 +13,11 @@ Drafting 2..k feeds the head its own outputs, not the target's features. Trainin
 and attends to step-1 keys of the earlier positions and to its own chain, exactly the cache the
 head sees while drafting. The decoder layer is the engine's own, so training and serving share
 every line of the forward.
+
+EAGLE-3 differs in its input and its loss: step 1 reads the target's residual streams entering three
+layers (2, L // 2, L - 3), fused by the head's fc, and the head is trained on the distribution loss
+alone, scored by its own LM head over the draft vocabulary (no feature regression: its state is free
+to be whatever predicts the next tokens best). It is saved in vLLM's speculators layout.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from tqdm.auto import tqdm
 
 from engine.attention import AttentionMetadata
 from engine.models.arch import LlamaArch
+from engine.models.llama import Attention
+from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_feature_layers
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 
 logger = logging.getLogger("specserve.train")
@@ -40,13 +48,17 @@ class FeatureStream:
     features: torch.Tensor  # [N, hidden] float32: the target's final-norm hidden state
     labels: torch.Tensor  # [N] int64: the target's greedy choice for the next token
     doc_ids: torch.Tensor  # [N] int64: which sequence each position belongs to
+    # [N, 3 * hidden] float32 for EAGLE-3: the residual streams entering its three target layers
+    aux: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
-    def previous_features(self) -> torch.Tensor:
-        """f_{p-1} at every position; zero at the first position of a sequence."""
-        shifted = torch.cat([torch.zeros_like(self.features[:1]), self.features[:-1]])
+    def previous_inputs(self) -> torch.Tensor:
+        """What the head reads at each position from the one before (EAGLE: f_{p-1}; EAGLE-3: the
+        three streams at p - 1); zero at the first position of a sequence."""
+        values = self.features if self.aux is None else self.aux
+        shifted = torch.cat([torch.zeros_like(values[:1]), values[:-1]])
         starts = torch.ones(len(self), dtype=torch.bool)
         starts[1:] = self.doc_ids[1:] != self.doc_ids[:-1]
         shifted[starts] = 0
@@ -54,20 +66,26 @@ class FeatureStream:
 
 
 @torch.no_grad()
-def extract_features(reference, sequences: list[list[int]], max_len: int = 1024) -> FeatureStream:
-    """One target forward per sequence; a longer one is read in pieces of max_len tokens."""
+def extract_features(reference, sequences: list[list[int]], max_len: int = 1024,
+                     aux_layers: tuple[int, ...] = ()) -> FeatureStream:
+    """One target forward per sequence; a longer one is read in pieces of max_len tokens. With
+    `aux_layers` (EAGLE-3), also the residual streams entering those layers (HF's
+    hidden_states[i])."""
     pieces = [ids[start:start + max_len] for ids in sequences
               for start in range(0, len(ids), max_len)]
-    tokens, features, labels, doc_ids = [], [], [], []
+    tokens, features, labels, doc_ids, aux = [], [], [], [], []
     for doc, token_ids in enumerate(tqdm(pieces, desc="target features", disable=None)):
         ids = torch.tensor(token_ids)
-        states = reference.model(ids[None]).last_hidden_state[0].float()  # [T, hidden]
+        out = reference.model(ids[None], output_hidden_states=bool(aux_layers))
+        states = out.last_hidden_state[0].float()  # [T, hidden]
         tokens.append(ids)
         features.append(states)
         labels.append(reference.lm_head(states).argmax(-1))
         doc_ids.append(torch.full((len(ids),), doc, dtype=torch.int64))
+        if aux_layers:
+            aux.append(torch.cat([out.hidden_states[i][0].float() for i in aux_layers], dim=-1))
     return FeatureStream(torch.cat(tokens), torch.cat(features), torch.cat(labels),
-                         torch.cat(doc_ids))
+                         torch.cat(doc_ids), torch.cat(aux) if aux else None)
 
 
 def choose_draft_vocab(labels: torch.Tensor, size: int, always: tuple[int, ...],
@@ -117,13 +135,13 @@ class UnrolledChain:
         return ok
 
 
-def unrolled_hidden(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor,
+def unrolled_hidden(head: EagleHead | Eagle3Head, embeds: torch.Tensor, features: torch.Tensor,
                     chain: UnrolledChain) -> list[torch.Tensor]:
     """The head's output at every position for steps 1..num_steps: [batch * window, hidden] each.
     embeds: x_p's embeddings; features: f_{p-1} for step 1 (true features), flattened."""
-    config = head.config
-    kv_cache = features.new_zeros(2, config.num_kv_heads, chain.batch * chain.num_steps,
-                                  chain.window, config.head_dim)
+    attention = next(m for m in head.modules() if isinstance(m, Attention))  # the head's one
+    kv_cache = features.new_zeros(2, attention.num_kv_heads, chain.batch * chain.num_steps,
+                                  chain.window, attention.head_dim)
     positions = torch.arange(chain.window, device=features.device).repeat(chain.batch)
     outputs = []
     for step in range(1, chain.num_steps + 1):
@@ -134,7 +152,7 @@ def unrolled_hidden(head: EagleHead, embeds: torch.Tensor, features: torch.Tenso
     return outputs
 
 
-def unrolled_losses(head: EagleHead, embed: torch.nn.Module, draft_head: torch.Tensor,
+def unrolled_losses(head: EagleHead | Eagle3Head, embed: torch.nn.Module, draft_head: torch.Tensor,
                     stream: FeatureStream, previous: torch.Tensor, starts: torch.Tensor,
                     window: int, num_steps: int, noise: float,
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -151,11 +169,18 @@ def unrolled_losses(head: EagleHead, embed: torch.nn.Module, draft_head: torch.T
     features = previous[index].reshape(batch * window, -1)
     if noise:
         features = features + (torch.rand_like(features) - 0.5) * 2 * noise
+    is_eagle3 = isinstance(head, Eagle3Head)
+    if is_eagle3:
+        features = head.fc(features)
     feature_losses, token_losses, agreements = [], [], []
     for step, hidden in enumerate(unrolled_hidden(head, embeds, features, chain), start=1):
         valid = chain.valid(step).reshape(-1)
-        logits = hidden[valid] @ draft_head.T
-        feature_losses.append(F.smooth_l1_loss(hidden[valid], target_features[valid]))
+        if is_eagle3:
+            logits = head.draft_logits(hidden[valid])
+            feature_losses.append(hidden.new_zeros(()))
+        else:
+            logits = hidden[valid] @ draft_head.T
+            feature_losses.append(F.smooth_l1_loss(hidden[valid], target_features[valid]))
         token_losses.append(torch.sum(-target_probs[valid] * logits.log_softmax(-1), -1).mean())
         guess = head.draft_token_ids[logits.argmax(-1)]
         agreements.append((guess == labels[valid]).float().mean())
@@ -169,12 +194,12 @@ def window_starts(stream: FeatureStream, window: int, generator: torch.Generator
     return starts[torch.randperm(len(starts), generator=generator)]
 
 
-def train_head(head: EagleHead, embed, draft_head: torch.Tensor, stream: FeatureStream,
+def train_head(head: EagleHead | Eagle3Head, embed, draft_head: torch.Tensor, stream: FeatureStream,
                epochs: int, batch_size: int, window: int, num_steps: int, learning_rate: float,
                feature_weight: float, seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
-    previous = stream.previous_features()
-    noise = 0.1 * stream.features.pow(2).mean().sqrt().item()
+    previous = stream.previous_inputs()
+    noise = 0.1 * previous.pow(2).mean().sqrt().item()
     optimizer = torch.optim.AdamW(head.parameters(), lr=learning_rate, weight_decay=0.0)
     batches_per_epoch = max(1, (len(stream) // window) // batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, learning_rate,
@@ -202,11 +227,11 @@ def train_head(head: EagleHead, embed, draft_head: torch.Tensor, stream: Feature
 
 
 @torch.no_grad()
-def chain_accuracy(head: EagleHead, embed, draft_head: torch.Tensor, stream: FeatureStream,
+def chain_accuracy(head: EagleHead | Eagle3Head, embed, draft_head: torch.Tensor, stream: FeatureStream,
                    window: int, num_steps: int) -> list[float]:
     """Per drafting step: how often the head's top token is the target's greedy token, when the
     steps before it guessed right (teacher-forced tokens, the head's own features)."""
-    previous = stream.previous_features()
+    previous = stream.previous_inputs()
     starts = torch.arange(0, len(stream) - window + 1, window)
     totals = torch.zeros(num_steps)
     for chunk in starts.split(16):
@@ -247,16 +272,21 @@ def run_eagle(args: argparse.Namespace, reference, tokenizer, sequences: list[li
     """Train and save a head from sequences of token ids; returns the summary line."""
     started = time.perf_counter()
     arch = LlamaArch.from_hf_config(reference.config)
+    aux_layers = default_feature_layers(arch.num_layers) if args.method == "eagle3" else ()
     cut = max(1, len(sequences) // 10)
     # NOTE: held out by whole sequences: positions of one text are too alike to test on each other
-    held_out = extract_features(reference, sequences[:cut])
-    stream = extract_features(reference, sequences[cut:])
+    held_out = extract_features(reference, sequences[:cut], aux_layers=aux_layers)
+    stream = extract_features(reference, sequences[cut:], aux_layers=aux_layers)
     if len(stream) < args.window * 2 or len(held_out) < args.window:
         raise ValueError("too little text to train on: raise --num-prompts or --max-tokens")
     draft_ids, coverage = choose_draft_vocab(stream.labels, args.draft_vocab_size,
                                              arch.eos_token_ids, arch.vocab_size)
-    config = EagleConfig.for_target(arch, len(draft_ids), trained_for=trained_for)
-    head = EagleHead(config, arch)
+    if aux_layers:
+        config3 = Eagle3Config.for_target(arch, len(draft_ids), aux_layers)
+        head = Eagle3Head(config3, config3.layer_arch(arch), has_embeddings=False)
+    else:
+        head = EagleHead(EagleConfig.for_target(arch, len(draft_ids), trained_for=trained_for),
+                         arch)
     head.draft_token_ids.copy_(draft_ids)
     embed = reference.get_input_embeddings()
     draft_head = head.draft_head_weight(reference.get_output_embeddings().weight.detach())
@@ -265,8 +295,12 @@ def run_eagle(args: argparse.Namespace, reference, tokenizer, sequences: list[li
     train_head(head, embed, draft_head, stream, args.epochs, args.batch_size, args.window,
                args.unroll_steps, args.learning_rate, args.feature_weight, args.seed)
     accuracy = chain_accuracy(head, embed, draft_head, held_out, args.window, args.unroll_steps)
-    head.save(args.out)
-    return (f"trained an EAGLE head on {len(stream)} positions in "
+    if aux_layers:
+        head.save(args.out, trained_for)
+    else:
+        head.save(args.out)
+    name = "an EAGLE-3" if aux_layers else "an EAGLE"
+    return (f"trained {name} head on {len(stream)} positions in "
             f"{time.perf_counter() - started:.0f} s (draft vocabulary covers {100 * coverage:.1f}% "
             f"of the target's choices); held-out top-1 agreement per drafting step: "
             f"{', '.join(f'{a:.2f}' for a in accuracy)}; saved to {args.out}")

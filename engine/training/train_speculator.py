@@ -1,5 +1,6 @@
 """Train a speculator for a served model on text the model itself generates (self-distillation):
-an MLP speculator (default) or, with --method eagle, an EAGLE head (engine/training/train_eagle.py).
+an MLP speculator (default) or, with --method eagle / eagle3, an EAGLE or EAGLE-3 head
+(engine/training/train_eagle.py).
 
 MLP speculator:
 1. The engine answers chat prompts greedily (engine/training/prompts.py), batched.
@@ -9,7 +10,7 @@ MLP speculator:
    the speculator learns to guess what the target will say, which is what acceptance measures.
    The target's embedding and LM head are shared and frozen; only the stages train.
 
-Run: specserve train-speculator --out DIR [--method eagle] [--model PATH] [--num-prompts 96]
+Run: specserve train-speculator --out DIR [--method eagle|eagle3] [--model PATH] [--num-prompts 96]
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from engine.sampling_params import SamplingParams
 from engine.training.prompts import build_documents, build_prompts
 from engine.training.train_eagle import add_eagle_arguments, check_eagle_arguments, run_eagle
+
+# the methods train_eagle.py trains
+EAGLE_METHODS = ("eagle", "eagle3")
 
 logger = logging.getLogger("specserve.train")
 
@@ -183,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder to write the speculator to")
-    parser.add_argument("--method", choices=("mlp_speculator", "eagle"), default="mlp_speculator",
+    parser.add_argument("--method", choices=("mlp_speculator", "eagle", "eagle3"),
+                        default="mlp_speculator",
                         help="what to train (the --speculative-config method it serves)")
     parser.add_argument("--model", default=None,
                         help="the target: HF folder or .gguf (default: the embedded SmolLM2)")
@@ -210,16 +215,16 @@ def run(args: argparse.Namespace) -> int:
     if args.num_stages < 1 or args.epochs < 1 or args.num_prompts < 1:
         raise ValueError("--num-stages, --epochs and --num-prompts must be at least 1")
     if args.batch_size is None:
-        args.batch_size = 8 if args.method == "eagle" else 128
+        args.batch_size = 8 if args.method in EAGLE_METHODS else 128
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.method == "eagle":
+    if args.method in EAGLE_METHODS:
         check_eagle_arguments(args)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     llm = LLM(args.model, dtype="float32", device="cpu", num_threads=args.threads,
               max_model_len=2048)
-    num_sampled = args.answers_per_prompt - 1 if args.method == "eagle" else 0
+    num_sampled = args.answers_per_prompt - 1 if args.method in EAGLE_METHODS else 0
     sequences = generate_answers(llm, build_prompts(args.num_prompts, args.seed), args.max_tokens,
                                  num_sampled, args.seed)
     tokenizer = llm.tokenizer
@@ -230,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     trained_for = (f"{args.model or 'embedded SmolLM2-135M-Instruct'}: {args.num_prompts} prompts "
                    f"x {args.max_tokens} tokens{' + documents' if args.documents else ''}, "
                    f"{args.epochs} epochs")
-    if args.method == "eagle":
+    if args.method in EAGLE_METHODS:
         if args.documents:
             sequences += document_sequences(tokenizer, build_documents())
         print(run_eagle(args, reference, tokenizer, [ids for ids, _ in sequences], trained_for))

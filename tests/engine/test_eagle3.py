@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
-from spec_outputs import token_ids, two_sample_chi2_pvalue
+from spec_outputs import pooled_acceptance_rate, token_ids, two_sample_chi2_pvalue
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
@@ -291,3 +291,49 @@ def test_eagle3s_default_layers(tmp_path):
     shallow = build_tiny_checkpoint(tmp_path / "shallow", "llama", seed=2, num_hidden_layers=4)
     with pytest.raises(ValueError, match=r"\[2, 2, 1\] \(default\)"):
         spec_llm(shallow, folder)
+
+
+def test_training_makes_the_head_guess_what_the_target_says(target, arch, tmp_path):
+    """`train-speculator --method eagle3`'s pieces on the tiny target: the three layers' streams,
+    training-time test over 2 steps, the distribution loss alone; the saved speculators folder
+    loads, stays lossless and is accepted far more often than a random head."""
+    from engine.proposers.eagle3_head import Eagle3Config
+    from engine.training.train_eagle import (
+        chain_accuracy,
+        choose_draft_vocab,
+        extract_features,
+        train_head,
+    )
+    from engine.training.train_speculator import load_reference
+
+    plain = LLM(target, dtype="float32", max_model_len=256, num_kv_blocks=64)
+    prompts = [[1] + [(7 * i + j) % 90 + 2 for j in range(6)] for i in range(48)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = plain.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    reference = load_reference(target)
+    stream = extract_features(reference, [o.prompt_token_ids + o.outputs[0].token_ids
+                                          for o in outs], aux_layers=tuple(FEATURE_LAYERS))
+    assert stream.aux.shape == (len(stream), 3 * arch.hidden_size)
+    draft_ids, _ = choose_draft_vocab(stream.labels, 64, arch.eos_token_ids, arch.vocab_size)
+    config = Eagle3Config.for_target(arch, len(draft_ids), tuple(FEATURE_LAYERS))
+    torch.manual_seed(0)
+    head = Eagle3Head(config, config.layer_arch(arch), has_embeddings=False)
+    head.draft_token_ids.copy_(draft_ids)
+    embed = reference.get_input_embeddings()
+    draft_head = reference.get_output_embeddings().weight.detach()[draft_ids]
+    before = chain_accuracy(head, embed, draft_head, stream, window=32, num_steps=2)
+    train_head(head, embed, draft_head, stream, epochs=30, batch_size=8, window=32, num_steps=2,
+               learning_rate=3e-3, feature_weight=1.0, seed=0)
+    after = chain_accuracy(head, embed, draft_head, stream, window=32, num_steps=2)
+    assert min(after) > max(before) + 0.3, (before, after)
+    trained = str(tmp_path / "trained")
+    head.save(trained, "test")
+    untrained = write_head(str(tmp_path / "random"), arch, "speculators", 64)
+
+    test_prompts = [{"prompt_token_ids": p} for p in prompts[:6]]
+    rates = []
+    for folder in (untrained, trained):
+        spec_outs = spec_llm(target, folder).generate(test_prompts, greedy)
+        assert token_ids(spec_outs) == [o.outputs[0].token_ids for o in outs[:6]]
+        rates.append(pooled_acceptance_rate(spec_outs))
+    assert rates[1] > max(0.1, 5 * rates[0]), rates
