@@ -45,8 +45,12 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 
 
 def default_feature_layers(num_target_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's choice: the residual stream entering layers 2, L // 2 and L - 3."""
-    return (2, num_target_layers // 2, num_target_layers - 3)
+    """EAGLE-3's choice: the residual stream entering layers 2, L // 2 and L - 3; a target too
+    shallow for that (under 7 layers, where those collide) reads its first, middle and last."""
+    published = (2, num_target_layers // 2, num_target_layers - 3)
+    if published[0] < published[1] < published[2]:
+        return published
+    return (0, num_target_layers // 2, num_target_layers - 1)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ only scores a draft vocabulary (the tokens the target says most often, as EAGLE-
 keeps the per-token LM-head pass small on the CPU.
 
 A head folder holds `eagle_config.json` and `model.safetensors`, written by
-`specserve train-speculator --method eagle` (engine/training/train_eagle.py).
+`specserve train-speculator --method eagle` (engine/training/train_eagle.py). A folder published by
+the EAGLE authors (config.json + pytorch_model.bin) loads too (published_eagle.py): the same head
+with fc's bias, no norm before attention, and the whole vocabulary as its draft vocabulary.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ from torch import nn
 from engine.attention import AttentionMetadata
 from engine.models.arch import LlamaArch
 from engine.models.llama import DecoderLayer, RotaryEmbedding
-from engine.proposers.speculator_folder import WEIGHTS_FILE, read_config, write_config
+from engine.proposers.speculator_folder import (
+    WEIGHTS_FILE,
+    is_published,
+    read_config,
+    write_config,
+)
 
 CONFIG_FILE = "eagle_config.json"
 
@@ -47,6 +54,14 @@ class EagleConfig:
     draft_vocab_size: int
     # what it was trained on, in words (shown in logs)
     trained_for: str = ""
+    # where the EAGLE authors' heads differ (published_eagle.py): fc has a bias, the layer has no
+    # norm before attention, q/k/v may have biases (Qwen2-style), and the layer's rotary frequencies
+    # come from the head's own config (None: the target's)
+    fc_bias: bool = False
+    input_norm: bool = True
+    qkv_bias: bool = False
+    rope_inv_freq: tuple[float, ...] | None = None
+    rope_attention_scaling: float = 1.0
 
     @classmethod
     def for_target(cls, arch: LlamaArch, draft_vocab_size: int, trained_for: str = "") -> EagleConfig:
@@ -58,16 +73,21 @@ class EagleConfig:
                    trained_for=trained_for)
 
     def layer_arch(self, target: LlamaArch) -> LlamaArch:
-        """The head's layer takes the target's rotary frequencies and context length."""
-        return replace(target, num_layers=1, num_heads=self.num_heads,
+        """The head's layer takes the target's context length, and its rotary frequencies unless
+        the head names its own."""
+        arch = replace(target, num_layers=1, num_heads=self.num_heads,
                        num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                        intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
-                       qkv_bias=False, sliding_window=None)
+                       qkv_bias=self.qkv_bias, sliding_window=None)
+        if self.rope_inv_freq is not None:
+            arch = replace(arch, rope_inv_freq=tuple(self.rope_inv_freq),
+                           rope_attention_scaling=self.rope_attention_scaling)
+        return arch
 
     def check_fits(self, target: LlamaArch, folder: str) -> None:
         if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
             raise ValueError(
-                f"the EAGLE head in {folder} was trained for hidden size {self.hidden_size} and "
+                f"the EAGLE head in {folder} was made for hidden size {self.hidden_size} and "
                 f"vocabulary {self.vocab_size}; the target has {target.hidden_size} and "
                 f"{target.vocab_size}")
 
@@ -84,8 +104,11 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = config
         arch = config.layer_arch(target)
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layer = DecoderLayer(arch)
+        if not config.input_norm:
+            # the EAGLE authors' first layer: fc's output enters attention as it is
+            self.layer.input_layernorm = nn.Identity()
         self.rotary = RotaryEmbedding(arch)
         # target token id of each draft-vocabulary entry
         self.register_buffer("draft_token_ids",
@@ -100,8 +123,14 @@ class EagleHead(nn.Module):
         return self.layer(x, cos, sin, meta, kv_caches[0])
 
     def draft_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """The target's LM-head rows of the draft vocabulary: [draft_vocab, hidden]."""
-        return lm_head_weight.index_select(0, self.draft_token_ids)
+        """The target's LM-head rows of the draft vocabulary: [draft_vocab, hidden] (the weight
+        itself when the draft vocabulary is the whole vocabulary in order, as for the authors'
+        heads: no copy of a large LM head)."""
+        ids = self.draft_token_ids
+        if len(ids) == len(lm_head_weight) and bool(
+                (ids == torch.arange(len(ids), device=ids.device)).all()):
+            return lm_head_weight
+        return lm_head_weight.index_select(0, ids)
 
     def save(self, folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
@@ -112,15 +141,23 @@ class EagleHead(nn.Module):
     @classmethod
     def load(cls, folder: str, target: LlamaArch, dtype: torch.dtype,
              device: torch.device) -> EagleHead:
-        config = EagleConfig.load(folder)
-        config.check_fits(target, folder)
-        head = cls(config, target)
-        head.load_state_dict(load_file(os.path.join(folder, WEIGHTS_FILE)))
-        ids = head.draft_token_ids
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
-            raise ValueError(f"the draft vocabulary in {folder} has token ids outside the target's")
+        """specserve's own head folder, or one the EAGLE authors published (detected by its
+        config.json and the absence of eagle_config.json); a head for another model fails here."""
+        if is_published(folder, CONFIG_FILE):
+            from engine.proposers.published_eagle import load_authors_head
+
+            head = load_authors_head(folder, target)
+        else:
+            config = EagleConfig.load(folder)
+            config.check_fits(target, folder)
+            head = cls(config, target)
+            head.load_state_dict(load_file(os.path.join(folder, WEIGHTS_FILE)))
+            ids = head.draft_token_ids
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+                raise ValueError(f"the draft vocabulary in {folder} has token ids outside the "
+                                 f"target's")
         head = head.to(device=device, dtype=dtype).eval()
         # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the target
-        head.rotary.inv_freq = torch.tensor(target.rope_inv_freq, dtype=torch.float32,
-                                            device=device)
+        head.rotary.inv_freq = torch.tensor(head.config.layer_arch(target).rope_inv_freq,
+                                            dtype=torch.float32, device=device)
         return head

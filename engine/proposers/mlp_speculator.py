@@ -8,7 +8,9 @@ matmuls plus one head pass. On the embedded SmolLM2 that is 0.66M parameters per
 target's 134M. The target's embedding table is shared the same way.
 
 A speculator folder holds `speculator_config.json` and `model.safetensors`, written by
-`specserve train-speculator` (engine/training/train_speculator.py).
+`specserve train-speculator` (engine/training/train_speculator.py). IBM's published speculators
+(config.json, own embeddings and heads per stage) load under the same method:
+published_mlp_speculator.py.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from torch import nn
 
 from engine.proposers.base import DraftProposal, Proposer, TargetHandle
 from engine.proposers.chain import draft_chains
-from engine.proposers.speculator_folder import WEIGHTS_FILE, read_config, write_config
+from engine.proposers.published_mlp_speculator import PublishedMLPSpeculator
+from engine.proposers.speculator_folder import (
+    WEIGHTS_FILE,
+    is_published,
+    read_config,
+    write_config,
+)
 from engine.request import Request
 
 CONFIG_FILE = "speculator_config.json"
@@ -81,24 +89,35 @@ class MLPSpeculator(nn.Module):
 
 
 class MLPSpeculatorProposer(Proposer):
-    """Drafts from the target's hidden state at the row that produced each request's newest token."""
+    """Drafts from the target's hidden state at the row that produced each request's newest token,
+    through specserve's own speculator (the target's embedding and LM head) or IBM's published one
+    (its own per stage)."""
 
     def __init__(self, folder: str, target: TargetHandle) -> None:
-        self.speculator = MLPSpeculator.load(folder, target.dtype, target.device)
-        config = self.speculator.config
+        self.device = target.device
+        if is_published(folder, CONFIG_FILE):
+            published = PublishedMLPSpeculator.load(folder, target.arch, target.dtype,
+                                                    target.device)
+            self.speculator: nn.Module = published
+            self.num_stages = published.config.num_stages
+            # (stage, state, token ids) -> state; (stage, state) -> logits [rows, vocab]
+            self._stage = published.stage
+            self._logits = published.logits
+            return
+        speculator = MLPSpeculator.load(folder, target.dtype, target.device)
+        config = speculator.config
         hidden_size, vocab_size = target.arch.hidden_size, target.arch.vocab_size
         if (config.hidden_size, config.vocab_size) != (hidden_size, vocab_size):
             raise ValueError(
                 f"the speculator in {folder} was trained for hidden size {config.hidden_size} and "
                 f"vocabulary {config.vocab_size}; the target has {hidden_size} and {vocab_size}")
+        self.speculator = speculator
+        self.num_stages = config.num_stages
         # the target's own modules, read-only
-        self.embed_tokens = target.embed_tokens
-        self.lm_head = target.lm_head
-        self.device = target.device
-
-    @property
-    def num_stages(self) -> int:
-        return self.speculator.config.num_stages
+        embed_tokens, lm_head = target.embed_tokens, target.lm_head
+        self._stage = lambda index, state, token_ids: speculator.stage(
+            index, state, embed_tokens(token_ids))
+        self._logits = lambda index, state: lm_head(state)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_num_tokens: list[int],
@@ -117,9 +136,8 @@ class MLPSpeculatorProposer(Proposer):
                       (requests[i].output_token_ids or requests[i].prompt_token_ids)[-1]
                       for i in rows]
             kept = state[[state_rows.index(i) for i in rows]]
-            state = self.speculator.stage(stage, kept, self.embed_tokens(
-                torch.tensor(tokens, device=self.device)))
+            state = self._stage(stage, kept, torch.tensor(tokens, device=self.device))
             state_rows = rows
-            return rows, self.lm_head(state)  # [rows, vocab]
+            return rows, self._logits(stage, state)  # [rows, vocab]
 
         return draft_chains(requests, caps, advance)

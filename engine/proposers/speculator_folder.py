@@ -1,5 +1,6 @@
-"""The folder a trained proposer lives in: a typed JSON config beside `model.safetensors`, written by
-`specserve train-speculator` and read when `--speculative-config` names the folder."""
+"""The folder a proposer lives in: either specserve's own (a typed JSON config beside
+`model.safetensors`, written by `specserve train-speculator`) or one published for the target (a
+`config.json` beside the authors' weights), read when `--speculative-config` names the folder."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from dataclasses import asdict
 from typing import Any
 
 WEIGHTS_FILE = "model.safetensors"
+PUBLISHED_CONFIG_FILE = "config.json"
+
+# what a published config.json says it is, for each method that reads published folders
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
+MLP_SPECULATOR_ARCHITECTURES = ("MLPSpeculatorPreTrainedModel",)
 
 
 def write_config(folder: str, file_name: str, kind: str, config: Any) -> None:
@@ -22,9 +28,39 @@ def read_config(folder: str, file_name: str, kind: str, what: str) -> dict[str, 
     path = os.path.join(folder, file_name)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {file_name} in {folder}: not {what} folder (make one with "
-                                f"`specserve train-speculator --method {kind}`)")
+                                f"`specserve train-speculator --method {kind}`, or use one "
+                                f"published for the target, with its {PUBLISHED_CONFIG_FILE})")
     with open(path) as f:
         data = json.load(f)
     if data.pop("type", None) != kind:
         raise ValueError(f"{path} does not describe an {kind}")
     return data
+
+
+def is_published(folder: str, own_config_file: str) -> bool:
+    """A folder without specserve's own config but with a config.json: one published for the
+    target (specserve's own folders always load as they were written)."""
+    return (not os.path.isfile(os.path.join(folder, own_config_file))
+            and os.path.isfile(os.path.join(folder, PUBLISHED_CONFIG_FILE)))
+
+
+def published_method(config: dict[str, Any]) -> str:
+    """The speculative method a published config.json serves. EAGLE-1 heads ship their base
+    model's own Llama config (one layer), so "eagle" is whatever is not recognisably another."""
+    architectures = set(config.get("architectures") or ())
+    if config.get("speculators_model_type") is not None:
+        return str(config["speculators_model_type"])
+    if architectures & set(EAGLE3_ARCHITECTURES):
+        return "eagle3"
+    if config.get("model_type") == "mlp_speculator" or \
+            architectures & set(MLP_SPECULATOR_ARCHITECTURES):
+        return "mlp_speculator"
+    return "eagle"
+
+
+def check_published_method(folder: str, config: dict[str, Any], method: str) -> None:
+    """A published folder named under the wrong method fails saying which method it is for."""
+    found = published_method(config)
+    if found != method:
+        raise ValueError(f"{folder} holds a published {found!r} speculator, not {method!r}: set "
+                         f'"method": "{found}" in the speculative config')

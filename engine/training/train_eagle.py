@@ -289,7 +289,13 @@ def run_eagle(args: argparse.Namespace, reference, tokenizer, sequences: list[li
                          arch)
     head.draft_token_ids.copy_(draft_ids)
     embed = reference.get_input_embeddings()
-    draft_head = head.draft_head_weight(reference.get_output_embeddings().weight.detach())
+    # the teacher: the target's LM-head rows of the draft vocabulary
+    draft_head = reference.get_output_embeddings().weight.detach()[draft_ids]
+    if aux_layers:
+        # NOTE: EAGLE-3's own LM head starts as the target's rows: its state starts near the
+        # target's final feature, so the first epochs refine rather than discover the mapping
+        with torch.no_grad():
+            head.lm_head.weight.copy_(draft_head)
     logger.info("%d training positions; the draft vocabulary of %d covers %.1f%% of the target's "
                 "choices", len(stream), len(draft_ids), 100 * coverage)
     train_head(head, embed, draft_head, stream, args.epochs, args.batch_size, args.window,

@@ -281,7 +281,8 @@ def test_a_head_for_another_model_is_refused(target, arch, tmp_path):
 
 
 def test_eagle3s_default_layers(tmp_path):
-    """No layers named: EAGLE-3's 2, L // 2, L - 3; a target too shallow for them is refused."""
+    """No layers named: EAGLE-3's 2, L // 2, L - 3; a target too shallow for them reads its first,
+    middle and last; one too shallow for three layers is refused."""
     deep = build_tiny_checkpoint(tmp_path / "deep", "llama", seed=2, num_hidden_layers=8)
     arch = LlamaArch.from_hf_config(load_checkpoint(deep, torch.float32).hf_config)
     folder = write_head(str(tmp_path / "head"), arch, "speculators", 32, feature_layers=None)
@@ -289,8 +290,10 @@ def test_eagle3s_default_layers(tmp_path):
     assert llm.engine.proposer.target_feature_layers == (2, 4, 5)
     assert llm.engine.worker.model.aux_hidden_layers == (2, 4, 5)
     shallow = build_tiny_checkpoint(tmp_path / "shallow", "llama", seed=2, num_hidden_layers=4)
-    with pytest.raises(ValueError, match=r"\[2, 2, 1\] \(default\)"):
-        spec_llm(shallow, folder)
+    assert spec_llm(shallow, folder).engine.proposer.target_feature_layers == (0, 2, 3)
+    too_shallow = build_tiny_checkpoint(tmp_path / "two", "llama", seed=2, num_hidden_layers=2)
+    with pytest.raises(ValueError, match=r"\[0, 1, 1\] \(default\)"):
+        spec_llm(too_shallow, folder)
 
 
 def test_training_makes_the_head_guess_what_the_target_says(target, arch, tmp_path):
@@ -337,3 +340,29 @@ def test_training_makes_the_head_guess_what_the_target_says(target, arch, tmp_pa
         assert token_ids(spec_outs) == [o.outputs[0].token_ids for o in outs[:6]]
         rates.append(pooled_acceptance_rate(spec_outs))
     assert rates[1] > max(0.1, 5 * rates[0]), rates
+
+
+def test_train_speculator_eagle3_command_trains_and_saves_a_loadable_head(target, arch, tmp_path):
+    """The command's own path after generation (`run_eagle` with the command's defaults): it writes
+    a speculators folder whose LM head starts from the target's rows, and that folder serves."""
+    from engine.training.train_eagle import run_eagle
+    from engine.training.train_speculator import add_arguments, load_reference
+
+    out = str(tmp_path / "head")
+    parser = __import__("argparse").ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--out", out, "--method", "eagle3", "--epochs", "1",
+                              "--draft-vocab-size", "48", "--window", "16"])
+    args.batch_size = 8
+    plain = LLM(target, dtype="float32", max_model_len=256, num_kv_blocks=64)
+    prompts = [[1] + [(5 * i + j) % 90 + 2 for j in range(6)] for i in range(20)]
+    outs = plain.generate([{"prompt_token_ids": p} for p in prompts],
+                          SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    summary = run_eagle(args, load_reference(target), None,
+                        [o.prompt_token_ids + o.outputs[0].token_ids for o in outs], "test")
+    assert "EAGLE-3" in summary and out in summary
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["draft_vocab_size"] == 48
+    spec_outs = spec_llm(target, out).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert token_ids(spec_outs) == token_ids(plain.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
