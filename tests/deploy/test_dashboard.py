@@ -17,7 +17,7 @@ REQUIRED_PANELS = {
     "accepted-length histogram": r"accepted length per draft",
     "draft vs verify": r"draft vs verify", "TTFT": r"time to first token",
     "ITL": r"inter-token latency", "QPS": r"requests per second", "queue depth": r"queue depth",
-    "KV usage": r"kv-cache usage"}
+    "KV usage": r"kv-cache usage", "prefix-cache hit rate": r"prefix-cache hit rate"}
 
 
 def panels(dashboard: dict) -> list[dict]:

@@ -89,6 +89,10 @@ def test_every_dashboard_query_returns_series_from_a_scraped_server(dashboard, d
         prometheus.wait_for_number("sum(specserve:request_success_total)", timeout_s=15)
         for prompt in PROMPTS:
             chat(server, model, prompt, max_tokens=32).raise_for_status()
+        # the first prompt again: its blocks are cached, so the hit-rate panel has hits to plot
+        chat(server, model, PROMPTS[0], max_tokens=4).raise_for_status()
+        assert server.metric("specserve:prefix_cache_hits_total") > 0, \
+            "a repeated prompt found nothing in the prefix cache"
         assert server.metric("specserve:spec_decode_num_draft_tokens_total") > 0, \
             "no drafts proposed: α, τ and the per-position panels would have no data"
         provoke_queue_full(server, model)
