@@ -4,6 +4,11 @@ Every sequence in a step contributes `query_len` rows (a prefill chunk, one deco
 verification rows) that attend causally to all of its cached context. The metadata below is built once per
 step and shared by every layer, so a layer costs the same few calls whatever the batch holds.
 
+A tree verification (engine/draft_tree.py) is a sequence whose rows are a tree, not a chain: row r
+sees all the context before the sequence's first row plus exactly the rows on its own root-to-r
+path. The step then carries `tree_mask`, one int64 per row (bit j set = the row sees row j of its
+sequence; -1 = an ordinary causal row), and every path below honours it.
+
 KV cache layout, one tensor per layer (a token's slot = block_id * block_size + offset):
 
     kv_cache[0] = keys   [num_kv_heads, num_blocks, block_size, head_dim]
@@ -25,11 +30,13 @@ Three paths read it:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engine.draft_tree import MAX_TREE_ROWS
 from kernels.paged_attention_cpu import (
     paged_attention_cpu,
     paged_attention_cpu_available,
@@ -88,6 +95,9 @@ class AttentionMetadata:
     # True = the torch path needs attn_mask but it was not built, because the kernel was expected to
     # run (it needs none); the torch path builds it on first use, once per step
     mask_pending: bool = False
+    # [num_tokens] int64 on the step's device: each tree row's ancestor bits (tree_ancestor_masks),
+    # -1 for the rows of ordinary sequences; None = the step holds no tree (nothing changes then)
+    tree_mask: torch.Tensor | None = None
 
 
 def build_attention_metadata(
@@ -98,14 +108,21 @@ def build_attention_metadata(
     sliding_window: int | None,
     device: torch.device,
     backend: str = "auto",
+    tree_parents: Sequence[Sequence[int] | None] | None = None,
 ) -> AttentionMetadata:
     """Lay out one step's sequences for `paged_attention` (backend: one of ATTENTION_BACKENDS).
 
     Sequence i has `seq_lens[i]` tokens of context after this step, the last `query_lens[i]` of which are
-    this step's query rows, at positions seq_lens[i] - query_lens[i] ... seq_lens[i] - 1.
+    this step's query rows, in the slots of positions seq_lens[i] - query_lens[i] ...
+    seq_lens[i] - 1.
+    `tree_parents[i]`, when given and not None, makes sequence i a tree: its rows' parent rows
+    (-1 for row 0), at most MAX_TREE_ROWS of them; None (or no list) keeps it causal.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    tree_mask = None
+    if tree_parents is not None and any(parents is not None for parents in tree_parents):
+        tree_mask = step_tree_mask(query_lens, tree_parents, sliding_window)
     num_seqs = len(query_lens)
     max_query_len = max(query_lens)
     max_seq_len = max(seq_lens)
@@ -137,14 +154,19 @@ def build_attention_metadata(
             cu_num_query_tokens=torch.tensor(cu_num_query_tokens, dtype=torch.int32, device=device),
             sliding_window=sliding_window,
             triton=backend == "triton")
-    is_causal = num_seqs == 1 and max_query_len == max_seq_len > 1 and (
+    # NOTE: SDPA's causal path (and leaving the mask out) would ignore a tree's rows
+    is_causal = tree_mask is None and num_seqs == 1 and max_query_len == max_seq_len > 1 and (
         sliding_window is None or max_seq_len <= sliding_window)
-    needs_mask = ((max_query_len > 1 or num_seqs > 1) and not is_causal) or (
+    needs_mask = tree_mask is not None or (
+        (max_query_len > 1 or num_seqs > 1) and not is_causal) or (
         sliding_window is not None and max_seq_len > sliding_window)
     attn_mask = None
     if needs_mask and kernel is None:
         attn_mask = padded_causal_mask(torch.tensor(seq_lens), torch.tensor(query_lens),
                                        max_query_len, kv_len, sliding_window)
+        if tree_mask is not None:
+            apply_tree_mask(attn_mask, tree_mask, torch.tensor(seq_lens), torch.tensor(query_lens),
+                            query_pad_index, sliding_window)
     return AttentionMetadata(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
@@ -157,7 +179,51 @@ def build_attention_metadata(
         is_causal=is_causal,
         kernel=kernel,
         mask_pending=needs_mask and kernel is not None,
+        tree_mask=None if tree_mask is None else tree_mask.to(device),
     )
+
+
+def tree_ancestor_masks(parents: Sequence[int], sliding_window: int | None) -> list[int]:
+    """Each row's ancestor bits as a signed int64: bit j set = the row sees row j of its sequence,
+    i.e. row j is on its root-to-row path (itself included).
+
+    NOTE: with a sliding window W a row at depth d sits at position start + d and sees only the
+    ancestors fewer than W levels up, so its mask holds min(d + 1, W) bits, and the first context
+    position its window admits is start + popcount(mask) - W (start itself, i.e. none, once the
+    window ends inside the tree): the kernels read that from the mask, with no depths passed.
+    A real tree's mask is never -1 (that would be row 63 seeing all 64 rows: a chain).
+    """
+    masks = []
+    for row in range(len(parents)):
+        mask, node, levels = 0, row, 0
+        while node >= 0 and (sliding_window is None or levels < sliding_window):
+            mask |= 1 << node
+            node, levels = parents[node], levels + 1
+        masks.append(mask - (1 << 64) if mask >> 63 else mask)
+    return masks
+
+
+def step_tree_mask(query_lens: Sequence[int], tree_parents: Sequence[Sequence[int] | None],
+                   sliding_window: int | None) -> torch.Tensor:
+    """[num_tokens] int64 (CPU): every row's ancestor bits, -1 for the rows of causal sequences."""
+    masks: list[int] = []
+    for query_len, parents in zip(query_lens, tree_parents, strict=True):
+        if parents is None:
+            masks += [-1] * query_len
+            continue
+        check_tree_rows(parents, query_len)
+        masks += tree_ancestor_masks(parents, sliding_window)
+    return torch.tensor(masks, dtype=torch.int64)
+
+
+def check_tree_rows(parents: Sequence[int], num_rows: int) -> None:
+    """Raises ValueError unless `parents` are a tree over `num_rows` rows that the mask can hold."""
+    if len(parents) != num_rows or num_rows > MAX_TREE_ROWS:
+        raise ValueError(f"a tree sequence has at most {MAX_TREE_ROWS} rows and one parent per "
+                         f"row: got {num_rows} rows, {len(parents)} parents")
+    if parents[0] != -1 or not all(0 <= parent < row for row, parent in enumerate(parents) if row):
+        raise ValueError(f"tree rows' parents must be -1 for row 0 and an earlier row after it, "
+                         f"got {list(parents)}")
 
 
 def padded_causal_mask(seq_lens: torch.Tensor, query_lens: torch.Tensor, max_query_len: int,
@@ -177,6 +243,38 @@ def padded_causal_mask(seq_lens: torch.Tensor, query_lens: torch.Tensor, max_que
     # row (NaN); their outputs are dropped by the un-padding.
     mask |= (row >= query_lens) & (key_pos == 0)
     return mask[:, None]  # [B, 1, Q, L]
+
+
+def apply_tree_mask(mask: torch.Tensor, tree_mask: torch.Tensor, seq_lens: torch.Tensor,
+                    query_lens: torch.Tensor, query_pad_index: torch.Tensor | None,
+                    sliding_window: int | None) -> None:
+    """Overwrite the tree rows of a padded causal mask [B, 1, Q, L] in place: a tree row sees the
+    context before its sequence's first row (from start + popcount - W with a window: see
+    tree_ancestor_masks) and the rows whose bits it holds.
+
+    tree_mask: [num_tokens] int64; seq_lens, query_lens: [B] int64; query_pad_index: [num_tokens]
+    int64 or None (as in AttentionMetadata).
+    """
+    batch, _, max_q, kv_len = mask.shape
+    tree_mask = tree_mask.to(mask.device)
+    is_tree = tree_mask != -1  # [T]
+    tokens = is_tree.nonzero()[:, 0]  # [N] the tree rows
+    if query_pad_index is None:
+        padded = tokens
+    else:
+        padded = query_pad_index.to(mask.device)[tokens]  # [N] rows of the padded layout
+    seq = padded // max_q  # [N]
+    start = (seq_lens.to(mask.device) - query_lens.to(mask.device))[seq][:, None]  # [N, 1]
+    masks = tree_mask[tokens][:, None]  # [N, 1]
+    bits = (masks >> torch.arange(MAX_TREE_ROWS, device=mask.device)) & 1  # [N, 64]
+    key_pos = torch.arange(kv_len, device=mask.device)[None, :]  # [1, L]
+    rel = key_pos - start  # [N, L]: the key's row in the sequence, < 0 in the context
+    in_tree = (rel >= 0) & (rel < MAX_TREE_ROWS) & (
+        bits.gather(1, rel.clamp(0, MAX_TREE_ROWS - 1)) != 0)  # [N, L]
+    in_context = rel < 0
+    if sliding_window is not None:
+        in_context &= key_pos >= start + bits.sum(1, keepdim=True) - sliding_window
+    mask.view(batch * max_q, kv_len)[padded] = in_tree | in_context
 
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -201,11 +299,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         from kernels.paged_attention_triton import paged_attention_triton
         return paged_attention_triton(query, kv_cache, kernel.block_tables, kernel.seq_lens,
                                       kernel.cu_num_query_tokens, meta.max_query_len, scale,
-                                      kernel.sliding_window)
+                                      kernel.sliding_window, tree_mask=meta.tree_mask)
     if kernel is not None and paged_attention_cpu_supports(query, kv_cache):
         return paged_attention_cpu(query.contiguous(), kv_cache, kernel.block_tables,
                                    kernel.seq_lens, kernel.cu_num_query_tokens, scale,
-                                   kernel.sliding_window)
+                                   kernel.sliding_window, meta.tree_mask)
     return torch_paged_attention(query, kv_cache, meta, scale)
 
 
@@ -217,9 +315,12 @@ def torch_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Att
     num_kv_heads = kv_cache.shape[1]
     if meta.mask_pending:  # the kernel was expected but cannot take these tensors: build it once
         kernel = meta.kernel
-        meta.attn_mask = padded_causal_mask(
-            kernel.seq_lens.long(), kernel.cu_num_query_tokens.diff().long(), max_q, meta.kv_len,
-            kernel.sliding_window).to(query.device)
+        seq_lens, query_lens = kernel.seq_lens.long(), kernel.cu_num_query_tokens.diff().long()
+        meta.attn_mask = padded_causal_mask(seq_lens, query_lens, max_q, meta.kv_len,
+                                            kernel.sliding_window).to(query.device)
+        if meta.tree_mask is not None:
+            apply_tree_mask(meta.attn_mask, meta.tree_mask, seq_lens, query_lens,
+                            meta.query_pad_index, kernel.sliding_window)
         meta.mask_pending = False
     if meta.first_block is not None:  # consecutive blocks: a view of the cache, no copy
         num_blocks = meta.block_gather_index.shape[1]

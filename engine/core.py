@@ -124,6 +124,8 @@ class EngineCore:
         pass_start = time.perf_counter()
         out = self.worker.execute(scheduled)
         sampled = self.sampler(out.logits, scheduled.layout)
+        if scheduled.layout.draft_parents is not None:
+            self.worker.keep_accepted_paths(scheduled, sampled)
         target_pass_seconds = time.perf_counter() - pass_start
         if self.proposer is not None and self.proposer.needs_committed_hidden:
             self._record_target_hidden(scheduled, sampled, out.token_hidden)
@@ -141,11 +143,18 @@ class EngineCore:
         verification, the known token and the accepted drafts), from the position they start at."""
         kept = iter(sampled)
         for item, row in zip(scheduled.scheduled, scheduled.layout.token_starts):
-            num_valid = item.num_known_tokens
+            num_known = item.num_known_tokens
+            rows = token_hidden[row:row + num_known]
             if item.is_sampling:
-                num_valid += len(next(kept).token_ids) - 1
+                accepted = next(kept).kept_drafts
+                if item.draft_parents is None:
+                    rows = token_hidden[row:row + num_known + len(accepted)]
+                elif accepted:  # a tree's accepted path: rows after the known ones, not in a run
+                    path = [row + num_known + draft for draft in accepted]
+                    rows = torch.cat([rows, token_hidden[torch.tensor(path,
+                                                                      device=rows.device)]])
             self.proposer.record_target_hidden(
-                item.request, item.request.num_computed_tokens, token_hidden[row:row + num_valid],
+                item.request, item.request.num_computed_tokens, rows,
                 self.scheduler.block_manager.block_table(item.request.request_id))
 
     def _propose_drafts(self, layout: StepLayout, sampled: list[SampledTokens],
@@ -155,12 +164,13 @@ class EngineCore:
 
         Only requests that sampled this step get new drafts: the others' tokens did not change, so
         their pending drafts still stand. Each gets the target's hidden state at the row that
-        produced its newest token (row a of its 1 + k rows after a accepted drafts).
+        produced its newest token (of a chain, row a of its 1 + k rows after a accepted drafts; of
+        a tree, the row after the last draft on its accepted path).
         """
         if self.proposer is None:
             return []
-        row_of = {item.request.request_id: start + len(kept.token_ids) - 1
-                  for item, start, kept in zip(layout.sampling, layout.logits_starts, sampled)}
+        row_of = {item.request.request_id: layout.kept_rows(index, kept.kept_drafts)[-1]
+                  for index, (item, kept) in enumerate(zip(layout.sampling, sampled))}
         requests = [r for r in self.scheduler.decoding if r.request_id in row_of]
         if not requests:
             return []

@@ -11,6 +11,18 @@ is a list of sequences, each contributing the rows at positions start .. start +
 tables; `run` calls the model on them with the KV cache; each row's K/V lands in its slot. Rows past a
 sequence's committed length (drafts) are written and later simply overwritten: rollback stays
 bookkeeping in whoever owns the sequence.
+
+A tree of drafts is verified in the same one pass (engine/draft_tree.py): its rows still fill the
+slots of positions start, start + 1, ..., but each row takes the position start + its depth and
+attends to the context plus its own root-to-row path only:
+
+    tree verification SequenceRows("d", start=50, token_ids=[t50, a, b, c], parents=[-1, 0, 1, 0])
+        t50 ─┬─ a ── b        slots      50 51 52 53  (t50 a b c)
+             └─ c             positions  50 51 52 51
+                              b sees the context, t50, a, b; c sees the context, t50, c
+
+After verification `keep_rows` copies the accepted path's K/V to the positions it now holds; when
+that path is the first branch (rows 0, 1, 2, ...) nothing moves.
 """
 
 from __future__ import annotations
@@ -20,19 +32,28 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, build_attention_metadata
+from engine.attention import AttentionMetadata, build_attention_metadata, check_tree_rows
 from engine.block_manager import BlockManager
+from engine.draft_tree import is_chain
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache
 
 
 @dataclass
 class SequenceRows:
-    """One sequence's rows in a pass: its tokens at positions start .. start + len(token_ids) - 1."""
+    """One sequence's rows in a pass: its tokens in the slots of positions start .. start +
+    len(token_ids) - 1 (and at those positions, unless `parents` makes them a tree)."""
 
     seq_id: str
     start: int
     token_ids: list[int]
+    # over the rows: row r's parent row (-1 for row 0, earlier rows after it), at most
+    # MAX_TREE_ROWS rows unless a chain; None = a chain (-1, 0, 1, ...), the ordinary causal rows
+    parents: list[int] | None = None
+
+    def tree_parents(self) -> list[int] | None:
+        """The parents when the rows are a real tree, None when they are a chain."""
+        return None if is_chain(self.parents) else self.parents
 
 
 @dataclass
@@ -81,16 +102,24 @@ class PagedRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, last_rows = [], [], [], []
+        tree_parents: list[list[int] | None] = []
         for rows in sequences:
             end = rows.start + len(rows.token_ids)
+            parents = rows.tree_parents()
             token_ids += rows.token_ids
-            positions += range(rows.start, end)
+            if parents is None:
+                positions += range(rows.start, end)
+            else:
+                check_tree_rows(parents, len(rows.token_ids))
+                positions += [rows.start + depth for depth in row_depths(parents)]
             query_lens.append(len(rows.token_ids))
             seq_lens.append(end)
             tables.append(self.blocks.block_table(rows.seq_id))
             last_rows.append(len(token_ids) - 1)
+            tree_parents.append(parents)
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.blocks.block_size,
-                                        self.sliding_window, self.device, self.attention_backend)
+                                        self.sliding_window, self.device, self.attention_backend,
+                                        tree_parents)
         return PagedInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
@@ -105,3 +134,36 @@ class PagedRunner:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+    def keep_rows(self, seq_id: str, start: int, rows: list[int]) -> None:
+        """After a tree pass that began at `start`: the K/V at positions start + i (every layer)
+        become those row `rows[i]` wrote. `rows` increase with rows[i] >= i (the accepted path,
+        root first); rows already in place are not copied.
+
+        A kept row's K/V is valid at its new slot because its position was start + its depth, and
+        on a root-to-node path the depth of rows[i] is i.
+        """
+        if any(row < i for i, row in enumerate(rows)) or any(
+                a >= b for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"kept rows must increase with rows[i] >= i, got {rows}")
+        moves = [(start + i, start + row) for i, row in enumerate(rows) if row != i]
+        if not moves:
+            return
+        table, block_size = self.blocks.block_table(seq_id), self.blocks.block_size
+        if start + rows[-1] >= len(table) * block_size:
+            raise ValueError(f"sequence {seq_id!r} holds no slot for position {start + rows[-1]}")
+        slots = [[table[pos // block_size] * block_size + pos % block_size for pos in move]
+                 for move in zip(*moves)]
+        dst, src = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [num_moves] each
+        for kv_cache in self.kv_caches:  # [2, kvH, num_blocks, block_size, D]
+            flat = kv_cache.view(2, kv_cache.shape[1], -1, kv_cache.shape[-1])  # [2, kvH, slots, D]
+            # NOTE: the gather completes before the copy: a source also overwritten is read first
+            flat.index_copy_(2, dst, flat.index_select(2, src))
+
+
+def row_depths(parents: list[int]) -> list[int]:
+    """Each row's depth below row 0 (row 0 is at depth 0)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths

@@ -31,6 +31,8 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)
     # [num_draft_tokens, vocab] their draft distribution q, None for one-hot drafts
     draft_probs: torch.Tensor | None = None
+    # a tree of drafts: each draft's parent draft, -1 under the newest token; None = a chain
+    draft_parents: list[int] | None = None
 
     @property
     def num_draft_tokens(self) -> int:
@@ -70,6 +72,15 @@ class SampledTokens:
     token_ids: list[int]
     # one per token when the request asked for logprobs
     logprobs: list[TokenLogprobs] | None = None
+    # of a tree: the accepted drafts' indices (its path); None: the first len(token_ids) - 1 drafts
+    accepted_drafts: list[int] | None = None
+
+    @property
+    def kept_drafts(self) -> list[int]:
+        """Indices of the accepted drafts, in order."""
+        if self.accepted_drafts is not None:
+            return self.accepted_drafts
+        return list(range(len(self.token_ids) - 1))
 
 
 @dataclass
@@ -212,11 +223,10 @@ class Scheduler:
         draft = self.drafts.get(request.request_id)
         if not is_sampling or draft is None:
             return ScheduledRequest(request, num_known, is_sampling)
-        num_draft = min(len(draft.token_ids), budget - num_known)
-        return ScheduledRequest(request, num_known + num_draft, is_sampling,
-                                draft.token_ids[:num_draft],
-                                None if draft.probs is None or not num_draft
-                                else draft.probs[:num_draft])
+        draft = draft.first(max(0, budget - num_known))
+        return ScheduledRequest(request, num_known + len(draft.token_ids), is_sampling,
+                                draft.token_ids, draft.probs if draft.token_ids else None,
+                                draft.parents)
 
     def _preempt(self, request: Request) -> None:
         """Recompute-style preemption: drop the K/V now, rebuild it from prompt + output later."""

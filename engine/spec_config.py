@@ -7,6 +7,7 @@
     {"method": "eagle", "model": "/path/to/eagle-head", "num_speculative_tokens": 3}
     {"method": "eagle3", "model": "/path/to/eagle3-head", "num_speculative_tokens": 3}
     {"method": "ngram", "num_speculative_tokens": 5, "adaptive": true}
+    {"method": "suffix", "num_speculative_tokens": 12, "draft_tree": true}
 
 With "adaptive", num_speculative_tokens is the most a request drafts: each step the engine picks
 every request's k in 0..that from measured costs and recent acceptance (engine/adaptive/).
@@ -29,6 +30,10 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mlp_speculator", "suffix"
 # batch, text it cannot guess), so it is never much slower than plain decoding (docs/perf.md)
 DEFAULT_SERVE_SPECULATIVE_CONFIG = '{"method": "suffix", "num_speculative_tokens": 8, "adaptive": true}'
 MAX_SPECULATIVE_TOKENS = 16
+# a draft tree's node budget may go further: its rows spread over branches, not depth
+MAX_TREE_DRAFT_TOKENS = 32
+# the methods that draft trees (several guesses at once, verified in one pass)
+TREE_METHODS = ("ngram", "suffix")
 # suffix trees cost O(depth) per committed token in Python: deeper buys little and costs every step
 MAX_SUFFIX_DEPTH = 64
 # who drafts from whose finished outputs: requests of one tenant (same cache_salt), or everybody
@@ -42,6 +47,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     # choose each request's k per step (at most num_speculative_tokens) to maximise tokens per second
     adaptive: bool = False
+    # draft a tree of guesses (n-gram: several matches; suffix: the most frequent continuations),
+    # num_speculative_tokens its node budget, verified in one pass under a tree attention mask
+    draft_tree: bool = False
     # n-gram: the shortest and longest suffix of the context looked up earlier in it
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -64,9 +72,14 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method must be one of {', '.join(METHODS)}, "
                              f"got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+        most = MAX_TREE_DRAFT_TOKENS if self.draft_tree else MAX_SPECULATIVE_TOKENS
+        if not 1 <= self.num_speculative_tokens <= most:
+            raise ValueError(f"num_speculative_tokens must be in [1, {most}]"
+                             f"{' for a draft tree' if self.draft_tree else ''}, "
                              f"got {self.num_speculative_tokens}")
+        if self.draft_tree and self.method not in TREE_METHODS:
+            raise ValueError(f"draft_tree is built for {' and '.join(TREE_METHODS)}; "
+                             f"{self.method!r} drafts a chain")
         if self.method == "draft_model" and not self.model:
             raise ValueError('speculative method "draft_model" needs "model": a local folder or '
                              '.gguf file of a smaller model with the same tokenizer')
@@ -86,7 +99,8 @@ class SpeculativeConfig:
         if not 2 <= self.suffix_max_depth <= MAX_SUFFIX_DEPTH:
             raise ValueError(f"suffix_max_depth must be in [2, {MAX_SUFFIX_DEPTH}], "
                              f"got {self.suffix_max_depth}")
-        if self.method == "suffix" and self.suffix_max_depth <= self.num_speculative_tokens:
+        if self.method == "suffix" and not self.draft_tree \
+                and self.suffix_max_depth <= self.num_speculative_tokens:
             raise ValueError(f"suffix_max_depth ({self.suffix_max_depth}) must exceed "
                              f"num_speculative_tokens ({self.num_speculative_tokens}): a match of "
                              f"at least one token and its draft fit in that depth")
@@ -124,7 +138,7 @@ class SpeculativeConfig:
                               ("suffix_max_depth", int), ("suffix_max_cached_tokens", int),
                               ("suffix_min_token_prob", numbers.Real),
                               ("suffix_factor", numbers.Real), ("suffix_cache_scope", str),
-                              ("adaptive", bool)):
+                              ("adaptive", bool), ("draft_tree", bool)):
             if key in value and (not isinstance(value[key], expected)
                                  or (isinstance(value[key], bool) and expected is not bool)):
                 raise ValueError(f"speculative config {key!r} must be {expected.__name__}, "

@@ -10,6 +10,10 @@ scheduler puts what fits the step into its `ScheduledRequest`s.
                  | A  A  A  A  | Bt Bx1 Bx2 | Ct |   (t: the last known token, x: a draft)
     logits rows                | 0  1   2   | 3  |   logits_indices [4, 5, 6, 7], logits_starts [0, 3]
     drafts [Bx1, Bx2], cu_num_draft_tokens [2, 2]
+
+A request verifying a TREE of drafts (engine/draft_tree.py) has the same rows, one per draft in the
+proposal's depth-first order; `draft_parents` says which row each draft follows, and the accepted
+path's rows (`kept_rows`) need not be the first ones.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.draft_tree import chain_parents, check_parents, is_chain, main_chain_length
 from engine.sample.metadata import SamplingMetadata, to_device
 
 if TYPE_CHECKING:
@@ -33,12 +38,32 @@ class DraftProposal:
     # [len(token_ids), vocab] float32 draft distribution q at each position, or None when the draft
     # is deterministic (n-gram, suffix): the rejection sampler then treats q as one-hot
     probs: torch.Tensor | None = None
+    # a tree of drafts (engine/draft_tree.py): draft j's parent draft, -1 under the newest token;
+    # None: a chain
+    parents: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.parents is not None:
+            if len(self.parents) != len(self.token_ids):
+                raise ValueError("a draft tree needs one parent per draft token")
+            check_parents(self.parents)
+            if is_chain(self.parents):
+                self.parents = None
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
 
     def first(self, k: int) -> DraftProposal:
-        """The draft's first k tokens (a prefix of a draft is a draft)."""
+        """The draft's first k tokens (a prefix of a draft, chain or depth-first tree, is a draft)."""
         if k >= len(self.token_ids):
             return self
-        return DraftProposal(self.token_ids[:k], None if self.probs is None else self.probs[:k])
+        return DraftProposal(self.token_ids[:k], None if self.probs is None else self.probs[:k],
+                             None if self.parents is None else self.parents[:k])
+
+    def main_chain(self) -> DraftProposal:
+        """The first branch alone, a chain (for what only follows one path: grammars, penalties)."""
+        return self.first(main_chain_length(self.parents, len(self.token_ids)))
 
 
 @dataclass
@@ -71,6 +96,9 @@ class StepLayout:
     draft_probs: torch.Tensor | None
     # the largest k in the batch
     max_num_draft_tokens: int
+    # [num_draft_tokens] int64: each draft's parent draft within its request (-1: under the newest
+    # token), when some request verifies a tree; None when every draft is a chain
+    draft_parents: torch.Tensor | None
     # per-request temperature, top-k, top-p, seeds and the rest, as tensors
     sampling_metadata: SamplingMetadata
 
@@ -85,6 +113,7 @@ class StepLayout:
         logits_starts: list[int] = []
         logits_indices: list[int] = []
         draft_token_ids: list[int] = []
+        draft_parents: list[int] = []
         num_drafts: list[int] = []
         for item in scheduled:
             end = token_starts[-1] + item.num_new_tokens
@@ -96,9 +125,12 @@ class StepLayout:
             logits_starts.append(len(logits_indices))
             logits_indices += range(end - 1 - k, end)
             draft_token_ids += item.draft_token_ids
+            draft_parents += item.draft_parents or chain_parents(k)
             num_drafts.append(k)
-        logits_indices_t, draft_token_ids_t, cu_num_draft_tokens = to_device(
-            [logits_indices, draft_token_ids, list(accumulate(num_drafts))], torch.int64, device)
+        has_tree = any(item.draft_parents is not None for item in sampling)
+        logits_indices_t, draft_token_ids_t, cu_num_draft_tokens, *draft_parents_t = to_device(
+            [logits_indices, draft_token_ids, list(accumulate(num_drafts))]
+            + ([draft_parents] if has_tree else []), torch.int64, device)
         return cls(
             token_starts=token_starts,
             sampling=sampling,
@@ -108,14 +140,22 @@ class StepLayout:
             cu_num_draft_tokens=cu_num_draft_tokens,
             draft_probs=_draft_probs(sampling, len(draft_token_ids), device),
             max_num_draft_tokens=max(num_drafts, default=0),
+            draft_parents=draft_parents_t[0] if has_tree else None,
             sampling_metadata=SamplingMetadata.build(
-                [item.request for item in sampling], num_drafts, logits_starts, device),
+                [item.request for item in sampling], num_drafts, logits_starts, device,
+                [item.draft_parents for item in sampling]),
         )
 
     def rows_of(self, index: int) -> range:
         """Logits rows of sampling request `index`: its 1 + k rows."""
         start = self.logits_starts[index]
         return range(start, start + self.sampling[index].num_draft_tokens + 1)
+
+    def kept_rows(self, index: int, kept_drafts: list[int]) -> list[int]:
+        """Logits rows of the tokens sampling request `index` kept: the row after its newest token,
+        then the row after each accepted draft (a tree's path need not be its first rows)."""
+        start = self.logits_starts[index]
+        return [start] + [start + 1 + draft for draft in kept_drafts]
 
 
 def _draft_probs(items: list[ScheduledRequest], num_draft_tokens: int,

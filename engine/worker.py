@@ -11,12 +11,13 @@ import torch
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, KVCacheSpec, ModelConfig
 from engine.cpu_threads import usable_cpu_count
+from engine.draft_tree import row_parents
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
 from engine.paged_runner import PagedRunner, SequenceRows
 from engine.proposers.base import TargetHandle
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import SampledTokens, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +114,28 @@ class Worker:
             request = item.request
             start = request.num_computed_tokens
             known = request.token_ids_between(start, start + item.num_known_tokens)
+            parents = None if item.draft_parents is None else row_parents(
+                item.num_known_tokens, item.draft_parents, item.num_draft_tokens)
             sequences.append(SequenceRows(request.request_id, start,
-                                          known + item.draft_token_ids))
+                                          known + item.draft_token_ids, parents))
         inputs = self.runner.prepare(sequences)
         hidden = self.runner.run(inputs)
         rows = hidden[output.layout.logits_indices.to(self.device)]  # [rows, hidden]
         token_hidden = self.model.aux_hidden_states if self.model.aux_hidden_layers else hidden
         return ModelRunnerOutput(logits=self.runner.logits(rows), hidden=rows,
                                  token_hidden=token_hidden)
+
+    @torch.inference_mode()
+    def keep_accepted_paths(self, output: SchedulerOutput, sampled: list[SampledTokens]) -> None:
+        """Before commit: each tree's accepted path moves its K/V to the positions right after its
+        known tokens, where the committed tokens belong. Bookkeeping alone when the path is the
+        tree's first branch (its rows are already there); otherwise a copy of at most its depth
+        rows per layer."""
+        for item, kept in zip(output.sampling, sampled):
+            if item.draft_parents is None:
+                continue
+            num_known = item.num_known_tokens
+            rows = list(range(num_known)) + [num_known + draft for draft in kept.kept_drafts]
+            if any(row != position for position, row in enumerate(rows)):
+                self.runner.keep_rows(item.request.request_id, item.request.num_computed_tokens,
+                                      rows)

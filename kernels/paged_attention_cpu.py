@@ -36,11 +36,14 @@ def paged_attention_cpu(
     cu_num_query_tokens: torch.Tensor,  # [num_seqs + 1] int32: each sequence's rows in `query`
     scale: float,
     sliding_window: int | None,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens] int64: ancestor bits, -1 = causal row
 ) -> torch.Tensor:
-    """Every query row over its sequence's context: [num_tokens, num_heads * head_dim]."""
+    """Every query row over its sequence's context: [num_tokens, num_heads * head_dim]. A tree
+    row (tree_mask, engine/attention.py) sees the context and the rows of its own path only."""
     assert query.ndim == 3 and kv_cache.ndim == 5 and kv_cache.shape[0] == 2
     assert query.is_contiguous() and kv_cache.is_contiguous()
     assert block_tables.dtype == seq_lens.dtype == cu_num_query_tokens.dtype == torch.int32
+    assert tree_mask is None or (tree_mask.dtype == torch.int64 and tree_mask.is_contiguous())
     return torch.ops.specserve.paged_attention(query, kv_cache[0], kv_cache[1], block_tables,
                                                seq_lens, cu_num_query_tokens, scale,
-                                               sliding_window or 0)
+                                               sliding_window or 0, tree_mask)

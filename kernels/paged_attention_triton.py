@@ -11,6 +11,10 @@ model with 3 query heads per KV head fills 3 of the tile's rows and reads its ke
 
     tile row m -> query row m // QUERIES_PER_KV, head kv_head * QUERIES_PER_KV + m % QUERIES_PER_KV
 
+A tree verification (engine/attention.py) passes `tree_mask`, one int64 per row: -1 for a causal
+row, else the row's ancestor bits; a tree row sees the context before its sequence's row 0 and
+the rows whose bits it holds.
+
 Its launch shape depends only on (number of sequences, largest query rows), both given by the caller,
 and padding sequences (no query rows) return at once: a caller that pads a step to a fixed bucket (a
 CUDA graph) launches the same grid every time, and no host value is read from the device.
@@ -35,6 +39,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_num_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32: tokens of context after this step
     cu_num_query_tokens_ptr,  # [num_seqs + 1] int32
+    tree_mask_ptr,  # [num_tokens] int64: ancestor bits, -1 = causal row (only read when HAS_TREE)
     scale_log2,  # softmax scale * log2(e): the kernel works in base 2
     block_size,
     sliding_window,  # keys a row sees, itself included (only read when HAS_SLIDING_WINDOW)
@@ -48,6 +53,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_SLIDING_WINDOW: tl.constexpr,
+    HAS_TREE: tl.constexpr,
     # float32 products in full precision (a GPU's dot otherwise rounds float32 inputs to tf32)
     IEEE_DOT: tl.constexpr,
 ):
@@ -76,9 +82,21 @@ def _paged_attention_kernel(
     # the keys this tile's rows see: up to its last row's position, from its first row's window
     last_row = tl.minimum(query_len - 1, (first_packed + BLOCK_M - 1) // QUERIES_PER_KV)
     key_end = context_start + last_row + 1
+    first_pos = context_start + first_packed // QUERIES_PER_KV
+    if HAS_TREE:
+        tree = tl.load(tree_mask_ptr + query_start + row, mask=row_valid, other=-1)  # [BLOCK_M]
+        is_tree_row = tree != -1
+        # a tree row's window ends at start + its depth, at most its row
+        first_pos = tl.where(tl.load(tree_mask_ptr + query_start) != -1, context_start, first_pos)
+        # NOTE: the context a tree row sees starts at start + popcount - window: its mask holds
+        # min(depth + 1, window) bits (engine/attention.py, tree_ancestor_masks)
+        context_begin = tl.zeros([BLOCK_M], dtype=tl.int32)
+        if HAS_SLIDING_WINDOW:
+            bits = (tree[:, None] >> tl.arange(0, 64)[None, :].to(tl.int64)) & 1  # [BLOCK_M, 64]
+            context_begin = context_start + tl.sum(bits, 1).to(tl.int32) - sliding_window
     key_start = 0
     if HAS_SLIDING_WINDOW:
-        key_start = tl.maximum(context_start + first_packed // QUERIES_PER_KV - sliding_window + 1, 0)
+        key_start = tl.maximum(first_pos - sliding_window + 1, 0)
 
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -103,6 +121,12 @@ def _paged_attention_kernel(
         visible = (key_pos[None, :] <= query_pos[:, None]) & key_valid[None, :]
         if HAS_SLIDING_WINDOW:
             visible = visible & (key_pos[None, :] > query_pos[:, None] - sliding_window)
+        if HAS_TREE:
+            tree_row = tl.minimum(tl.maximum(key_pos - context_start, 0), 63)  # [BLOCK_N]
+            on_path = ((tree[:, None] >> tree_row[None, :].to(tl.int64)) & 1) != 0
+            tree_visible = tl.where(key_pos[None, :] < context_start,
+                                    key_pos[None, :] >= context_begin[:, None], on_path)
+            visible = tl.where(is_tree_row[:, None], tree_visible & key_valid[None, :], visible)
         scores = tl.where(visible, scores, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, 1))
         # NOTE: a row that has seen no visible key yet keeps max -inf; shift by 0 there, not by -inf
@@ -142,6 +166,7 @@ def paged_attention_triton(
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads * head_dim]; rows of no sequence untouched
+    tree_mask: torch.Tensor | None = None,  # [num_tokens] int64: ancestor bits, -1 = causal row
 ) -> torch.Tensor:
     """The attention of each query row over its sequence's context; returns [num_tokens, H * D]."""
     num_tokens, num_heads, head_dim = query.shape
@@ -150,6 +175,9 @@ def paged_attention_triton(
         raise ValueError(f"{num_heads} query heads do not share {num_kv_heads} KV heads evenly")
     if query.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("query and kv_cache need a contiguous last (head) dimension")
+    if tree_mask is not None and (tree_mask.dtype != torch.int64 or tree_mask.shape != (num_tokens,)
+                                  or not tree_mask.is_contiguous()):
+        raise ValueError("tree_mask must be a contiguous [num_tokens] int64 tensor")
     queries_per_kv = num_heads // num_kv_heads
     if out is None:
         out = query.new_empty(num_tokens, num_heads * head_dim)
@@ -161,6 +189,7 @@ def paged_attention_triton(
     if num_seqs and max_query_len:
         _paged_attention_kernel[grid](
             out_3d, query, keys, values, block_tables, seq_lens, cu_num_query_tokens,
+            cu_num_query_tokens if tree_mask is None else tree_mask,  # never read without a tree
             scale * 1.4426950408889634,  # log2(e)
             keys.shape[2], sliding_window or 0,
             query.stride(0), query.stride(1),
@@ -173,6 +202,7 @@ def paged_attention_triton(
             BLOCK_M=block_m,
             BLOCK_N=BLOCK_N,
             HAS_SLIDING_WINDOW=sliding_window is not None,
+            HAS_TREE=tree_mask is not None,
             IEEE_DOT=query.dtype == torch.float32,
         )
     return out

@@ -21,7 +21,14 @@ every depth follows p exactly whatever the drafts are, the chain case (one child
 
 The result is the accepted path (node ids after the root) and the tokens to commit: the accepted
 drafts, then the recovered or bonus token. Draws use the chain sampler's fixed-point inverse CDF
-(rejection_reference.py), so a kernel can be checked against this exactly.
+(rejection_reference.py).
+
+This is the specification in exact arithmetic's spirit (float64, p renormalised). The engine's
+batched sampler (tree_rejection.py, and its Triton kernel, which agree bit for bit) follows the chain
+sampler's conventions at the edges instead, so that a chain gives the chain sampler's tokens exactly:
+a draft with q(x) = 0 is accepted where p(x) > 0, a residual is "empty" when its fixed-point total
+is, and the test and residual are computed in float32 on p as given. Both follow p; they differ
+only at those rounding edges, and agree on every random tree the tests draw.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ def build_proposer(config: SpeculativeConfig, target: TargetHandle) -> Proposer:
     if config.method == "ngram":
         from engine.proposers.ngram import NgramProposer
 
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max,
+                             tree=config.draft_tree)
     if config.method == "draft_model":
         from engine.proposers.draft_model import DraftModelProposer
 
@@ -21,7 +22,8 @@ def build_proposer(config: SpeculativeConfig, target: TargetHandle) -> Proposer:
 
         return SuffixProposer(config.suffix_max_depth, config.suffix_max_cached_tokens,
                               config.suffix_min_token_prob, config.suffix_factor,
-                              is_cache_shared_across_tenants=config.suffix_cache_scope == "global")
+                              is_cache_shared_across_tenants=config.suffix_cache_scope == "global",
+                              tree=config.draft_tree)
     if config.method == "mlp_speculator":
         from engine.proposers.mlp_speculator import MLPSpeculatorProposer
 

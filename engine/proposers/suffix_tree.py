@@ -9,6 +9,7 @@ of one inserted sequence instead of holding its tokens): memory is O(tokens), no
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator, Sequence
 
 
@@ -218,3 +219,54 @@ class SuffixTree:
             draft.append(child.seq[child.start])
             score += prob
         return draft, score
+
+    @staticmethod
+    def speculation_tree(node: _Node, offset: int, max_tokens: int, max_depth: int,
+                         min_prob: float) -> tuple[list[int], list[int], float]:
+        """The up-to-max_tokens likeliest continuations after (node, offset) as a tree, grown
+        best-first by estimated path probability (the product of count(child) / num_continued
+        along it, as `continuation` estimates it), no deeper than max_depth and no path below
+        min_prob; returns (tokens, parents, score) in the order chosen, which lists each parent
+        before its children and siblings likeliest first. score: the sum of the chosen paths'
+        probabilities, the expected number of tokens accepted. O(max_tokens * log) plus the
+        children looked at."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        score = 0.0
+        # (-probability, order pushed, node, index in its edge, parent draft, depth): the token
+        # node.seq[node.start + index]; the order pushed breaks ties, siblings best child first
+        heap: list[tuple[float, int, _Node, int, int, int]] = []
+        num_pushed = 0
+
+        def push_next(node: _Node, offset: int, prob: float, parent: int, depth: int) -> None:
+            """Offer what may follow (node, offset), a path of probability prob at depth."""
+            nonlocal num_pushed
+            if depth >= max_depth:
+                return
+            if offset < node.length:
+                # inside an edge every occurrence continues the same way: the probability holds
+                heapq.heappush(heap, (-prob, num_pushed, node, offset, parent, depth + 1))
+                num_pushed += 1
+                return
+            best = node.best_child
+            if best is None:
+                return
+            # NOTE: the best child first, as `continuation` walks it: the main chain is its draft
+            others = heapq.nlargest(max_tokens - 1, (child for child in node.children.values()
+                                                     if child is not best),
+                                    key=lambda child: child.count)
+            for child in [best, *others]:
+                child_prob = prob * (child.count / node.num_continued)
+                if child_prob < min_prob:
+                    break
+                heapq.heappush(heap, (-child_prob, num_pushed, child, 0, parent, depth + 1))
+                num_pushed += 1
+
+        push_next(node, offset, 1.0, -1, 0)
+        while heap and len(tokens) < max_tokens:
+            neg_prob, _, node, index, parent, depth = heapq.heappop(heap)
+            tokens.append(node.seq[node.start + index])
+            parents.append(parent)
+            score -= neg_prob
+            push_next(node, index + 1, -neg_prob, len(tokens) - 1, depth)
+        return tokens, parents, score

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.draft_tree import row_paths
 from engine.request import Request
 from engine.sample.penalties import PenaltyMetadata
 
@@ -52,8 +53,12 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, requests: list[Request], num_drafts: list[int], logits_starts: list[int],
-              device: torch.device) -> SamplingMetadata:
-        """requests in batch order with their k and first logits row (the step layout's)."""
+              device: torch.device,
+              draft_parents: list[list[int] | None] | None = None) -> SamplingMetadata:
+        """requests in batch order with their k and first logits row (the step layout's), and the
+        parents of those verifying a tree (engine/draft_tree.py; None: chains)."""
+        if draft_parents is None:
+            draft_parents = [None] * len(requests)
         num_draft_tokens = sum(num_drafts)
         is_greedy, temperature, top_k, top_p, request_of_row = [], [], [], [], []
         seeded: list[tuple[Request, int]] = []
@@ -80,12 +85,13 @@ class SamplingMetadata:
                 # NOTE: acceptance uniforms come first, then one per row (recovered or bonus draw)
                 seeded_index += range(draft_start, draft_start + k)
                 seeded_index += range(num_draft_tokens + row, num_draft_tokens + row + k + 1)
-            num_banned_rows = min(k + 1, params.min_tokens - request.num_output_tokens)
-            if num_banned_rows > 0:
+            if params.min_tokens > request.num_output_tokens:
                 ids = banned_token_ids(request, request.num_output_tokens)
-                for offset in range(num_banned_rows):
-                    banned_rows += [row + offset] * len(ids)
-                    banned_ids += ids
+                # NOTE: a row's output so far is the committed output and the drafts on its path
+                for offset, path in enumerate(row_paths(draft_parents[index], k)):
+                    if request.num_output_tokens + len(path) < params.min_tokens:
+                        banned_rows += [row + offset] * len(ids)
+                        banned_ids += ids
             if params.logprobs is not None:
                 logprobs_requests.append(index)
                 num_top.append(params.logprobs)
@@ -115,7 +121,8 @@ class SamplingMetadata:
         if penalised:
             penalties = PenaltyMetadata.build(
                 [requests[i] for i in penalised], [num_drafts[i] for i in penalised],
-                [logits_starts[i] for i in penalised], [draft_starts[i] for i in penalised], device)
+                [logits_starts[i] for i in penalised], [draft_starts[i] for i in penalised], device,
+                [draft_parents[i] for i in penalised])
         return cls(
             is_greedy=greedy_ints.bool(),
             temperature=temperature_t,

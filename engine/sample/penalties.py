@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.draft_tree import row_paths
 from engine.request import Request
 
 
@@ -40,8 +41,10 @@ class PenaltyMetadata:
 
     @classmethod
     def build(cls, requests: list[Request], num_drafts: list[int], logits_starts: list[int],
-              draft_starts: list[int], device: torch.device) -> PenaltyMetadata:
-        """The penalised requests with their k, first logits row and first draft index."""
+              draft_starts: list[int], device: torch.device,
+              draft_parents: list[list[int] | None] | None = None) -> PenaltyMetadata:
+        """The penalised requests with their k, first logits row and first draft index, and the
+        parents of those verifying a tree (None: chains)."""
         from engine.sample.metadata import to_device  # NOTE: here, as metadata.py imports this
 
         rows: list[int] = []
@@ -53,8 +56,10 @@ class PenaltyMetadata:
         pair_rows: list[int] = []
         pair_drafts: list[int] = []
         has_repetition = any(r.params.repetition_penalty != 1.0 for r in requests)
-        for index, (request, k, row, draft_start) in enumerate(
-                zip(requests, num_drafts, logits_starts, draft_starts)):
+        if draft_parents is None:
+            draft_parents = [None] * len(requests)
+        for index, (request, k, row, draft_start, parents) in enumerate(
+                zip(requests, num_drafts, logits_starts, draft_starts, draft_parents)):
             first = len(rows)
             rows += range(row, row + k + 1)
             request_of_row += [index] * (k + 1)
@@ -63,10 +68,11 @@ class PenaltyMetadata:
             if has_repetition and request.params.repetition_penalty != 1.0:
                 prompt_owners += [index] * request.num_prompt_tokens
                 prompt_ids += request.prompt_token_ids
-            # NOTE: row j (1..k) has seen drafts 1..j: k(k+1)/2 pairs per request
-            for j in range(1, k + 1):
-                pair_rows += [first + j] * j
-                pair_drafts += range(draft_start, draft_start + j)
+            # NOTE: a row has seen the drafts on its path (of a chain, row j the first j: k(k+1)/2
+            # pairs per request)
+            for j, path in enumerate(row_paths(parents, k)):
+                pair_rows += [first + j] * len(path)
+                pair_drafts += [draft_start + draft for draft in path]
         (rows_t, request_of_row_t, owners_t, output_t, prompt_owners_t, prompt_t, pair_rows_t,
          pair_drafts_t) = to_device([rows, request_of_row, owners, output_ids, prompt_owners,
                                      prompt_ids, pair_rows, pair_drafts], torch.int64, device)

@@ -7,7 +7,9 @@ drafts before it as output, as if decoding one token at a time), argmax when any
 (temperature, min_p, top-k, top-p with per-row tensors) and the uniforms; then kernels/ runs acceptance and the inverse-CDF draws of
 recovered and bonus tokens. Draft q
 comes from its proposer already transformed the same way. The vocabulary (accepted, recovered and bonus
-tokens, α, τ) is defined in kernels/rejection_reference.py.
+tokens, α, τ) is defined in kernels/rejection_reference.py. A step where some request verifies a
+tree of drafts walks every request's drafts as a tree (a chain is a tree with one branch, and the
+tree sampler gives it the chain sampler's tokens): kernels/tree_rejection_reference.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from engine.sample.logprobs import compute_logprobs
 from engine.sample.sampler import draw_uniforms, process_logits, target_probs
 from engine.scheduler import SampledTokens
 from engine.step_layout import StepLayout
-from kernels import PLACEHOLDER_TOKEN_ID, rejection_sample
+from kernels import PLACEHOLDER_TOKEN_ID, rejection_sample, tree_rejection_sample
 
 
 class RejectionSampler:
@@ -42,19 +44,23 @@ class RejectionSampler:
             probs = target_probs(masked, metadata)  # [num_rows, vocab]
             acceptance_uniforms, sample_uniforms = draw_uniforms(
                 metadata, len(layout.draft_token_ids), layout.num_rows, logits.device)
-        output = rejection_sample(
-            draft_token_ids=layout.draft_token_ids,
-            cu_num_draft_tokens=layout.cu_num_draft_tokens,
-            draft_probs=None if probs is None else layout.draft_probs,
-            target_probs=probs,
-            target_argmax=target_argmax,
-            is_greedy=metadata.is_greedy,
-            acceptance_uniforms=acceptance_uniforms,
-            sample_uniforms=sample_uniforms,
-            max_spec_len=layout.max_num_draft_tokens,
-        )  # [batch, max_k + 1], -1 padded
+        # the arguments after the drafts (and a tree's parents), as kernels/ documents them
+        rest = (layout.cu_num_draft_tokens, None if probs is None else layout.draft_probs, probs,
+                target_argmax, metadata.is_greedy, acceptance_uniforms, sample_uniforms,
+                layout.max_num_draft_tokens)
+        if layout.draft_parents is None:
+            # [batch, max_k + 1], -1 padded
+            output = rejection_sample(layout.draft_token_ids, *rest)
+            paths = [None] * len(layout.sampling)
+        else:
+            # [batch, max_k + 1] and the accepted drafts' indices [batch, max_k], -1 padded
+            output, accepted = tree_rejection_sample(layout.draft_token_ids,
+                                                     layout.draft_parents, *rest)
+            paths = [[d for d in row if d >= 0] if item.draft_parents is not None else None
+                     for item, row in zip(layout.sampling, accepted.tolist())]
         kept = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in output.tolist()]
-        sampled = [SampledTokens(token_ids) for token_ids in kept]
+        sampled = [SampledTokens(token_ids, accepted_drafts=path)
+                   for token_ids, path in zip(kept, paths)]
         if metadata.logprobs_requests:
             self._add_logprobs(logits, layout, kept, sampled)
         return sampled
@@ -68,8 +74,7 @@ class RejectionSampler:
         rows: list[int] = []
         token_ids: list[int] = []
         for index in metadata.logprobs_requests:
-            start = layout.logits_starts[index]
-            rows += range(start, start + len(kept[index]))
+            rows += layout.kept_rows(index, sampled[index].kept_drafts)
             token_ids += kept[index]
         device = logits.device
         logprobs = compute_logprobs(logits[torch.tensor(rows, device=device)],

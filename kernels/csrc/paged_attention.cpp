@@ -7,6 +7,11 @@
 //   seq_lens                [num_seqs] int32: tokens of context after this step
 //   cu_num_query_tokens     [num_seqs + 1] int32: sequence i's rows are [cu[i], cu[i+1]) of
 //                           `query`, at positions seq_len - query_len ... seq_len - 1
+//   tree_mask (optional)    [num_tokens] int64: -1 = a causal row; else a tree row's ancestor
+//                           bits (bit j = it sees its sequence's row j), the context before the
+//                           sequence's row 0 from position start + popcount - sliding_window on
+//                           (engine/attention.py, tree_ancestor_masks). A sequence's rows are all
+//                           trees or all causal.
 //   returns                 [num_tokens, num_heads * head_dim] float32
 //
 // Batch invariance: one (sequence, row, head) output comes from the same float operations in the
@@ -30,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #ifdef __AVX2__
@@ -50,6 +56,7 @@ struct Problem {
   const int32_t* block_tables;         // [num_seqs, table_stride]
   const int32_t* seq_lens;             // [num_seqs]
   const int32_t* cu_num_query_tokens;  // [num_seqs + 1]
+  const int64_t* tree_mask;            // [num_tokens], or nullptr: no tree in the step
   float* out;                          // [num_tokens, num_heads, head_dim]
   int64_t table_stride, num_blocks;
   int num_heads, num_kv_heads, head_dim, block_size, sliding_window;
@@ -357,6 +364,34 @@ inline void attend_chunk(const float* const* q, const Chunk& chunk, const Proble
   }
 }
 
+// A tree row's keys in one chunk [chunk_start, chunk_start + chunk_keys): the context before the
+// sequence's row 0 (from its window on) and the rows whose bits `mask` holds. Each maximal run of
+// visible keys is one online-softmax update, so a row on the tree's first branch (its path is rows
+// 0 .. r, its window position its slot) takes exactly the updates of the causal row it equals.
+template <typename Attend>
+inline void attend_tree_row(uint64_t mask, int seq_start, int seq_len, int sliding_window,
+                            int chunk_start, int chunk_keys, Attend attend) {
+  // NOTE: the mask holds min(depth + 1, window) bits (engine/attention.py), so the window, which
+  // ends at position start + depth, admits the context from start + popcount - window on
+  const int context_begin =
+      sliding_window > 0 ? std::max(0, seq_start + __builtin_popcountll(mask) - sliding_window) : 0;
+  auto visible = [&](int key) {
+    return key < seq_start ? key >= context_begin : ((mask >> (key - seq_start)) & 1) != 0;
+  };
+  const int chunk_end = std::min(chunk_start + chunk_keys, seq_len);
+  int key = std::max(std::min(context_begin, seq_start), chunk_start);
+  while (key < chunk_end) {
+    if (!visible(key)) {
+      ++key;
+      continue;
+    }
+    int run_end = key + 1;
+    while (run_end < chunk_end && visible(run_end)) ++run_end;
+    attend(key - chunk_start, run_end - chunk_start);
+    key = run_end;
+  }
+}
+
 template <int kHeadDim>
 void run_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
   const int D = kHeadDim ? kHeadDim : p.head_dim;
@@ -364,8 +399,13 @@ void run_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
   const int seq_len = p.seq_lens[item.seq];
   const int first_token = p.cu_num_query_tokens[item.seq];
   const int query_len = p.cu_num_query_tokens[item.seq + 1] - first_token;
-  const int first_pos = seq_len - query_len + item.first_row;  // position of the item's first row
+  const int seq_start = seq_len - query_len;         // position of the sequence's row 0
+  const int first_pos = seq_start + item.first_row;  // position of the item's first row
   const int last_pos = first_pos + item.num_rows - 1;
+  // the sequence's ancestor masks when its rows are a tree, else nullptr (the causal rows)
+  const int64_t* tree = p.tree_mask != nullptr && p.tree_mask[first_token] != -1
+                            ? p.tree_mask + first_token
+                            : nullptr;
   auto window_start = [&](int pos) {
     return p.sliding_window > 0 ? std::max(0, pos - p.sliding_window + 1) : 0;
   };
@@ -381,7 +421,8 @@ void run_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
   const int64_t block_elems = static_cast<int64_t>(p.block_size) * D;
   const int64_t head_offset = static_cast<int64_t>(item.kv_head) * p.num_blocks * block_elems;
   auto block_offset = [&](int b) { return head_offset + table[b] * block_elems; };
-  const int first_chunk = window_start(first_pos) / chunk_keys;
+  // a tree row's window starts from its depth, which is at most its row
+  const int first_chunk = window_start(tree != nullptr ? seq_start : first_pos) / chunk_keys;
   const int last_chunk = last_pos / chunk_keys;
   const int last_block = last_pos / p.block_size;
   for (int b = first_chunk * kBlocksPerChunk;
@@ -403,11 +444,8 @@ void run_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
       chunk.next_values[i] =
           prefetch ? p.value_cache + block_offset(b + kBlocksPerChunk) : nullptr;
     }
-    for (int r = 0; r < item.num_rows; ++r) {
-      const int pos = first_pos + r;
-      const int begin = std::max(window_start(pos), chunk.start) - chunk.start;
-      const int end = std::min(pos + 1, chunk.start + chunk_keys) - chunk.start;
-      if (begin >= end) continue;
+    // row r's online-softmax update with keys [begin, end) of the chunk, for all the item's heads
+    auto attend = [&](int r, int begin, int end) {
       const int64_t token = first_token + item.first_row + r;
       for (int h = 0; h < item.num_heads; h += kMaxHeads) {
         const int num_heads = std::min(kMaxHeads, item.num_heads - h);
@@ -428,6 +466,19 @@ void run_item(const Problem& p, const WorkItem& item, Scratch& scratch) {
           chunk.next_keys[i] = chunk.next_values[i] = nullptr;
         }
       }
+    };
+    for (int r = 0; r < item.num_rows; ++r) {
+      if (tree != nullptr) {
+        attend_tree_row(static_cast<uint64_t>(tree[item.first_row + r]), seq_start, seq_len,
+                        p.sliding_window, chunk.start, chunk_keys,
+                        [&](int begin, int end) { attend(r, begin, end); });
+        continue;
+      }
+      const int pos = first_pos + r;
+      const int begin = std::max(window_start(pos), chunk.start) - chunk.start;
+      const int end = std::min(pos + 1, chunk.start + chunk_keys) - chunk.start;
+      if (begin >= end) continue;
+      attend(r, begin, end);
     }
   }
   for (int r = 0; r < item.num_rows; ++r) {
@@ -496,7 +547,8 @@ std::vector<WorkItem> plan_work(const Problem& p, int num_seqs, int num_threads)
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
                            const at::Tensor& value_cache, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& cu_num_query_tokens,
-                           double scale, int64_t sliding_window) {
+                           double scale, int64_t sliding_window,
+                           const std::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && value_cache.dim() == 4,
               "query [T, H, D] and caches [kvH, blocks, block_size, D] expected");
   TORCH_CHECK(query.scalar_type() == at::kFloat && key_cache.scalar_type() == at::kFloat &&
@@ -520,11 +572,18 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   TORCH_CHECK(key_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
               "head shapes disagree");
   TORCH_CHECK(!kVectorized || head_dim % 8 == 0, "head_dim must be a multiple of 8");
+  const int64_t* tree = nullptr;
+  if (tree_mask.has_value()) {
+    TORCH_CHECK(tree_mask->scalar_type() == at::kLong && tree_mask->is_contiguous() &&
+                    tree_mask->dim() == 1 && tree_mask->size(0) == query.size(0),
+                "tree_mask: [num_tokens] contiguous int64 expected");
+    tree = tree_mask->data_ptr<int64_t>();
+  }
 
   at::Tensor out = at::empty({query.size(0), num_heads * head_dim}, query.options());
   Problem p{query.data_ptr<float>(), key_cache.data_ptr<float>(), value_cache.data_ptr<float>(),
             block_tables.data_ptr<int32_t>(), seq_lens.data_ptr<int32_t>(),
-            cu_num_query_tokens.data_ptr<int32_t>(), out.data_ptr<float>(),
+            cu_num_query_tokens.data_ptr<int32_t>(), tree, out.data_ptr<float>(),
             block_tables.size(1), key_cache.size(1), num_heads, num_kv_heads, head_dim,
             static_cast<int>(key_cache.size(2)), static_cast<int>(sliding_window),
             static_cast<float>(scale)};
@@ -546,7 +605,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-      "Tensor seq_lens, Tensor cu_num_query_tokens, float scale, int sliding_window) -> Tensor");
+      "Tensor seq_lens, Tensor cu_num_query_tokens, float scale, int sliding_window, "
+      "Tensor? tree_mask=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -107,6 +107,15 @@ def test_draft_follows_the_most_frequent_continuation(prompt, cap, expected):
     assert draft(proposer(), make_request(prompt), cap) == expected
 
 
+@pytest.mark.parametrize("prompt, cap, expected", DRAFT_CASES)
+def test_a_draft_tree_of_one_continuation_is_the_chain_draft(prompt, cap, expected):
+    """With `tree`, where the evidence does not branch (or the cap leaves no room to) the tree is
+    the chain draft (tests/engine/test_draft_trees.py covers branching)."""
+    suffix = SuffixProposer(24, 1000, 0.1, 1.0, tree=True)
+    proposal = suffix.propose([make_request(prompt)], [cap], None)[0]
+    assert (proposal.token_ids, proposal.parents) == (expected, None)
+
+
 def test_longer_matches_earn_longer_drafts():
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1, 2]
     assert draft(proposer(factor=1.0), make_request(prompt), 8) == [3, 4]

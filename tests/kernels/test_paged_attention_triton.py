@@ -173,28 +173,31 @@ from kernels import paged_attention_triton as pat
 
 kernel = pat._paged_attention_kernel
 result = {}
-for dtype in ("fp32", "fp16", "bf16"):
-    for head_dim, queries_per_kv in ((64, 3), (128, 4)):
-        for max_query_len in (1, 9, 2048):
-            for window in (False, True):
-                constexprs = {"HEAD_DIM": head_dim, "HEAD_DIM_PADDED": triton.next_power_of_2(head_dim),
-                              "QUERIES_PER_KV": queries_per_kv,
-                              "BLOCK_M": pat.tile_rows(max_query_len, queries_per_kv),
-                              "BLOCK_N": pat.BLOCK_N, "HAS_SLIDING_WINDOW": window,
-                              "IEEE_DOT": dtype == "fp32"}
-                types = {"out_ptr": "*" + dtype, "query_ptr": "*" + dtype,
-                         "key_cache_ptr": "*" + dtype, "value_cache_ptr": "*" + dtype,
-                         "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                         "cu_num_query_tokens_ptr": "*i32", "scale_log2": "fp32"}
-                signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
-                             for name in kernel.arg_names}
-                compiled = triton.compile(ASTSource(fn=kernel, signature=signature,
-                                                    constexprs=constexprs),
-                                          target=GPUTarget("cuda", 90, 32))
-                name = f"{dtype}-d{head_dim}-q{max_query_len}-w{int(window)}"
-                result[name] = {"ptx": ".entry" in compiled.asm.get("ptx", ""),
-                                "shared": compiled.metadata.shared,
-                                "mma": "mma" in compiled.asm.get("ptx", "")}
+variants = [(dtype, head_dim, queries_per_kv, max_query_len, window, False)
+            for dtype in ("fp32", "fp16", "bf16") for head_dim, queries_per_kv in ((64, 3), (128, 4))
+            for max_query_len in (1, 9, 2048) for window in (False, True)]
+# a tree verification's step: up to 64 rows, with and without a window
+variants += [(dtype, 64, 3, 64, window, True) for dtype, window in
+             (("fp32", False), ("fp32", True), ("bf16", True), ("fp16", False))]
+for dtype, head_dim, queries_per_kv, max_query_len, window, tree in variants:
+    constexprs = {"HEAD_DIM": head_dim, "HEAD_DIM_PADDED": triton.next_power_of_2(head_dim),
+                  "QUERIES_PER_KV": queries_per_kv,
+                  "BLOCK_M": pat.tile_rows(max_query_len, queries_per_kv),
+                  "BLOCK_N": pat.BLOCK_N, "HAS_SLIDING_WINDOW": window, "HAS_TREE": tree,
+                  "IEEE_DOT": dtype == "fp32"}
+    types = {"out_ptr": "*" + dtype, "query_ptr": "*" + dtype,
+             "key_cache_ptr": "*" + dtype, "value_cache_ptr": "*" + dtype,
+             "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+             "cu_num_query_tokens_ptr": "*i32", "tree_mask_ptr": "*i64" if tree else "*i32",
+             "scale_log2": "fp32"}
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32")
+                 for name in kernel.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32))
+    name = f"{'tree-' if tree else ''}{dtype}-d{head_dim}-q{max_query_len}-w{int(window)}"
+    result[name] = {"ptx": ".entry" in compiled.asm.get("ptx", ""),
+                    "shared": compiled.metadata.shared,
+                    "mma": "mma" in compiled.asm.get("ptx", "")}
 print(json.dumps(result))
 """
 
@@ -215,7 +218,7 @@ SM90_SHARED_MEMORY_BYTES = 232448
 
 
 def test_compiles_for_sm90_within_shared_memory(compiled: dict[str, dict]) -> None:
-    assert len(compiled) == 36
+    assert len(compiled) == 36 + 4  # 4 with a tree mask
     for name, variant in compiled.items():
         assert variant["ptx"], name
         assert 0 < variant["shared"] <= SM90_SHARED_MEMORY_BYTES, (name, variant["shared"])
@@ -223,7 +226,7 @@ def test_compiles_for_sm90_within_shared_memory(compiled: dict[str, dict]) -> No
 
 def test_half_precision_products_use_tensor_cores(compiled: dict[str, dict]) -> None:
     for name, variant in compiled.items():
-        if not name.startswith("fp32"):
+        if not name.removeprefix("tree-").startswith("fp32"):
             assert variant["mma"], name
 
 

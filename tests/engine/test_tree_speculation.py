@@ -1,0 +1,166 @@
+"""Trees of drafts verified in one target pass are lossless: greedy tokens identical to plain decoding
+(whichever branch is accepted, in any batch mix, with penalties, min_tokens, logprobs and
+preemption), and sampled tokens follow the target's distribution.
+
+An oracle proposer hides the target's true continuation in a tree's SECOND branches, behind decoys
+that have children of their own: every accepted path then leaves the first rows, so the accepted
+K/V must be moved into place and the tree mask must keep siblings apart, or the tokens change."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from spec_outputs import token_ids, two_sample_chi2_pvalue
+from tiny_models import build_tiny_checkpoint
+
+from engine import LLM, SamplingParams
+from engine.proposers.base import Proposer
+from engine.step_layout import DraftProposal
+
+PROMPTS = [
+    [1, 5, 9, 13, 2, 7, 5, 9, 13, 2],
+    [1] + list(range(30, 50)) + list(range(30, 42)),
+    [1, 60],
+    [1, 11, 12, 13, 11, 12, 13, 11, 12],
+]
+MAX_TOKENS = 24
+VOCAB = 96
+
+
+def greedy(**extra) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **extra)
+
+
+class OracleTreeProposer(Proposer):
+    """Knows each prompt's greedy continuation; drafts it as the second child at every level, with a
+    decoy (and a decoy grandchild) first: [decoy, decoy's child, true, decoy, decoy's child, true..]."""
+
+    drafts_for_free = True
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+        self.continuations = continuations
+        self.num_trees = 0
+
+    def propose(self, requests, max_num_tokens, target_hidden):
+        proposals = []
+        for request, cap in zip(requests, max_num_tokens):
+            truth = self.continuations[tuple(request.prompt_token_ids)][
+                request.num_output_tokens:]
+            tokens, parents, parent = [], [], -1
+            for true_token in truth:
+                if len(tokens) + 3 > cap:
+                    break
+                decoy = (true_token + 1) % VOCAB
+                tokens += [decoy, (true_token + 2) % VOCAB, true_token]
+                parents += [parent, len(parents), parent]
+                parent = len(parents) - 1
+            self.num_trees += bool(tokens)
+            proposals.append(DraftProposal(tokens, parents=parents or None))
+        return proposals
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def plain(checkpoint) -> LLM:
+    return LLM(checkpoint, dtype="float64", max_model_len=128, num_kv_blocks=64)
+
+
+def oracle_llm(checkpoint: str, expected: list[list[int]], max_model_len: int = 128,
+               **engine) -> LLM:
+    llm = LLM(checkpoint, dtype="float64", max_model_len=max_model_len,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 9}, **engine)
+    llm.engine.proposer = OracleTreeProposer(
+        {tuple(p): out for p, out in zip(PROMPTS, expected)})
+    return llm
+
+
+def count_moves(llm: LLM) -> list[int]:
+    """Wraps the runner's keep_rows: how many times an accepted path's K/V was moved."""
+    runner, moves = llm.engine.worker.runner, []
+    keep_rows = runner.keep_rows
+
+    def counted(seq_id, start, rows):
+        moves.append(len(rows))
+        keep_rows(seq_id, start, rows)
+
+    runner.keep_rows = counted
+    return moves
+
+
+PARAMS = {
+    "greedy": {},
+    "penalties": {"presence_penalty": 0.8, "frequency_penalty": 0.3, "repetition_penalty": 1.3},
+    "min_tokens": {"min_tokens": 20, "logit_bias": {7: 3.0}},
+    "logprobs": {"logprobs": 2},
+}
+
+
+@pytest.mark.parametrize("setup", [{"num_kv_blocks": 64}, {"num_kv_blocks": 64, "block_size": 4},
+                                   {"num_kv_blocks": 64, "max_num_batched_tokens": 8}])
+@pytest.mark.parametrize("extra", PARAMS)
+def test_greedy_is_identical_whichever_branch_is_accepted(checkpoint, plain, extra, setup):
+    params = [greedy(**PARAMS[extra])] * len(PROMPTS)
+    expected_outs = plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    expected = token_ids(expected_outs)
+    llm = oracle_llm(checkpoint, expected, **setup)
+    moves = count_moves(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert token_ids(outs) == expected
+    assert llm.engine.proposer.num_trees > 0 and moves, "no tree's path was moved into place"
+    accepted = sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
+    assert accepted >= len(PROMPTS) * 4, accepted
+    if extra == "logprobs":
+        for out, want in zip(outs, expected_outs):
+            got, ref = out.outputs[0].logprobs, want.outputs[0].logprobs
+            assert [lp.token_id for lp in got] == out.outputs[0].token_ids
+            np.testing.assert_allclose([lp.logprob for lp in got], [lp.logprob for lp in ref],
+                                       rtol=0, atol=1e-9)
+            assert [[t for t, _ in lp.top] for lp in got] == [[t for t, _ in lp.top] for lp in ref]
+    assert llm.engine.scheduler.block_manager.num_free_blocks == setup["num_kv_blocks"]
+
+
+def test_greedy_survives_preemption(checkpoint, plain):
+    expected = token_ids(plain.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                        greedy()))
+    llm = oracle_llm(checkpoint, expected, max_model_len=72, num_kv_blocks=22, block_size=4,
+                     enable_prefix_caching=False)
+    assert token_ids(llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                  greedy())) == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_model_free_trees_are_lossless_in_a_batch(checkpoint, plain, method):
+    """The real tree proposers, in a batch with chains (k capped to 0 and 2) beside trees."""
+    expected = token_ids(plain.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy()))
+    spec = {"method": method, "num_speculative_tokens": 10, "draft_tree": True}
+    llm = LLM(checkpoint, dtype="float64", max_model_len=128, num_kv_blocks=64,
+              speculative_config=spec)
+    caps = [None, 0, None, 2]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        [greedy(num_speculative_tokens=cap) for cap in caps])
+    assert token_ids(outs) == expected
+    assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_sampled_tokens_follow_the_target_distribution(tmp_path):
+    """Token 3 of the output (verified from a tree most of the time: the prompt has two different
+    continuations of "1 2") has the same distribution with and without tree speculation: a
+    two-sample chi-square over 3000 samples each."""
+    path = build_tiny_checkpoint(tmp_path, "llama", seed=11, vocab_size=12, initializer_range=0.05)
+    prompt = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 1, 2]
+    counts = []
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 6, "draft_tree": True}):
+        llm = LLM(path, dtype="float64", max_model_len=32, num_kv_blocks=4096, max_num_seqs=256,
+                  speculative_config=spec)
+        params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s)
+                  for s in range(3000)]
+        outs = llm.generate([{"prompt_token_ids": prompt}] * 3000, params)
+        counts.append(np.bincount([o.outputs[0].token_ids[2] for o in outs], minlength=12))
+        if spec is not None:
+            assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 100
+    assert two_sample_chi2_pvalue(*counts) > 1e-4, counts
