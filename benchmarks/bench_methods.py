@@ -2,13 +2,15 @@
 workload (greedy, batch 1, float32), and whether each method's tokens equal plain decoding's.
 
 Run: python -m benchmarks.bench_methods [--speculator DIR] [--eagle DIR] [--eagle3 DIR] [--draft DIR]
-     [--max-tokens 128]
+     [--max-tokens 128] [--tree-budget 10]
      [--repeats 2] [--threads 2] [--workloads code_editing,extraction,open_chat] [--methods ngram,...]
 The MLP speculator row needs --speculator, the EAGLE row --eagle and the EAGLE-3 row --eagle3
 (folders from `specserve train-speculator [--method eagle|eagle3]`, or published heads); the draft
 model defaults to the layer-skip cut of benchmarks/make_draft.py. "suffix" drafts from the request's
 own tokens only; "suffix+cache" also from earlier requests' outputs, which here include the same
-prompt's previous repeat: the case of a repeated or agentic request, not of a fresh one.
+prompt's previous repeat: the case of a repeated or agentic request, not of a fresh one. With
+--tree-budget N, every method that drafts trees also runs as "<method> tree" with N nodes: chain
+against tree, τ counting tokens per target pass either way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from benchmarks.bench_spec import run_engine
 from benchmarks.common import add_model_args, engine_kwargs, hardware_name
 from benchmarks.make_draft import make_layer_skip_draft
 from engine import LLM
+from engine.spec_config import TREE_METHODS
 from loadtest.workloads import chat_prompts
 
 
@@ -48,6 +51,12 @@ def method_configs(args: argparse.Namespace) -> dict[str, dict | None]:
     if args.eagle3:
         configs["eagle3"] = {"method": "eagle3", "model": args.eagle3,
                              "num_speculative_tokens": args.eagle_k}
+    if args.tree_budget:
+        # each chain beside its tree: the same method drafting several guesses, verified together
+        for name, config in list(configs.items()):
+            if config is not None and config["method"] in TREE_METHODS:
+                configs[f"{name} tree"] = {**config, "draft_tree": True,
+                                           "num_speculative_tokens": args.tree_budget}
     return configs
 
 
@@ -61,6 +70,9 @@ def main() -> None:
     parser.add_argument("--eagle-k", type=int, default=3,
                         help="EAGLE and EAGLE-3 draft tokens per step")
     parser.add_argument("--draft", default=None, help="draft model folder (default: layer-skip)")
+    parser.add_argument("--tree-budget", type=int, default=0,
+                        help="also run each method that drafts trees with a tree of this many "
+                             "nodes (0: chains only)")
     parser.add_argument("--workloads", default="code_editing,extraction,open_chat")
     parser.add_argument("--methods", default=None,
                         help="comma-separated subset of the rows (plain always runs)")
@@ -77,7 +89,7 @@ def main() -> None:
     print(f"{hardware_name(args)}, torch {torch.__version__}, {args.dtype}, greedy, "
           f"{args.max_tokens} tokens, batch 1; tokens/s include prompt processing; "
           f"medians of {args.repeats}\n")
-    print(f"{'workload':<14}{'method':<16}{'tok/s':>8}{'vs plain':>10}{'alpha':>7}{'tau':>6}"
+    print(f"{'workload':<14}{'method':<20}{'tok/s':>8}{'vs plain':>10}{'alpha':>7}{'tau':>6}"
           f"{'same':>6}")
     for workload in args.workloads.split(","):
         prompt = prompts[workload]
@@ -94,7 +106,7 @@ def main() -> None:
         for name in engines:
             rate = statistics.median(rates[name])
             alpha, tau = stats[name]
-            print(f"{workload:<14}{name:<16}{rate:>8.1f}{rate / plain_rate:>9.2f}x{alpha:>7.2f}"
+            print(f"{workload:<14}{name:<20}{rate:>8.1f}{rate / plain_rate:>9.2f}x{alpha:>7.2f}"
                   f"{tau:>6.2f}{str(tokens[name] == tokens['plain']):>6}")
 
 

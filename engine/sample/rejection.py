@@ -44,18 +44,25 @@ class RejectionSampler:
             probs = target_probs(masked, metadata)  # [num_rows, vocab]
             acceptance_uniforms, sample_uniforms = draw_uniforms(
                 metadata, len(layout.draft_token_ids), layout.num_rows, logits.device)
-        # the arguments after the drafts (and a tree's parents), as kernels/ documents them
-        rest = (layout.cu_num_draft_tokens, None if probs is None else layout.draft_probs, probs,
-                target_argmax, metadata.is_greedy, acceptance_uniforms, sample_uniforms,
-                layout.max_num_draft_tokens)
+        # NOTE: by keyword, as kernels/ documents them (and as the tests' broken samplers take them)
+        arguments = {
+            "draft_token_ids": layout.draft_token_ids,
+            "cu_num_draft_tokens": layout.cu_num_draft_tokens,
+            "draft_probs": None if probs is None else layout.draft_probs,
+            "target_probs": probs,
+            "target_argmax": target_argmax,
+            "is_greedy": metadata.is_greedy,
+            "acceptance_uniforms": acceptance_uniforms,
+            "sample_uniforms": sample_uniforms,
+            "max_spec_len": layout.max_num_draft_tokens,
+        }
         if layout.draft_parents is None:
-            # [batch, max_k + 1], -1 padded
-            output = rejection_sample(layout.draft_token_ids, *rest)
+            output = rejection_sample(**arguments)  # [batch, max_k + 1], -1 padded
             paths = [None] * len(layout.sampling)
         else:
             # [batch, max_k + 1] and the accepted drafts' indices [batch, max_k], -1 padded
-            output, accepted = tree_rejection_sample(layout.draft_token_ids,
-                                                     layout.draft_parents, *rest)
+            output, accepted = tree_rejection_sample(draft_parents=layout.draft_parents,
+                                                     **arguments)
             paths = [[d for d in row if d >= 0] if item.draft_parents is not None else None
                      for item, row in zip(layout.sampling, accepted.tolist())]
         kept = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in output.tolist()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from pinned_cost import PinnedCost
 from spec_outputs import two_sample_chi2_pvalue
 from tiny_models import build_tiny_checkpoint
 
@@ -22,25 +23,6 @@ PROMPTS = [
 ]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
-
-
-class PinnedCost(StepCostModel):
-    """A linear cost curve (seconds = base + per_token * tokens) that measurements do not move: the
-    choices depend on acceptance only, so the test is the same on any machine."""
-
-    def __init__(self, base: float = 0.010, per_token: float = 0.003) -> None:
-        super().__init__()
-        for tokens in (1, 4096):
-            super().observe_verify(tokens, base + per_token * tokens)
-
-    def observe_verify(self, num_tokens: int, seconds: float) -> None:
-        pass
-
-    def observe_draft(self, depth: int, seconds: float) -> None:
-        pass
-
-    def observe_overhead(self, seconds: float) -> None:
-        pass
 
 
 def adaptive_llm(checkpoint: str, spec: dict = NGRAM, cost: StepCostModel | None = None,

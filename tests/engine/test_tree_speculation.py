@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pinned_cost import PinnedCost
 from spec_outputs import token_ids, two_sample_chi2_pvalue
 from tiny_models import build_tiny_checkpoint
 
@@ -37,8 +38,12 @@ class OracleTreeProposer(Proposer):
 
     drafts_for_free = True
 
-    def __init__(self, continuations: dict[tuple[int, ...], list[int]]) -> None:
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]],
+                 truth_first: bool = False) -> None:
         self.continuations = continuations
+        # the truth as the main chain, each level's decoy a later sibling: depth-first, the decoys
+        # come after the chain, so a prefix of the drafts is a chain, then trees as it grows
+        self.truth_first = truth_first
         self.num_trees = 0
 
     def propose(self, requests, max_num_tokens, target_hidden):
@@ -46,6 +51,15 @@ class OracleTreeProposer(Proposer):
         for request, cap in zip(requests, max_num_tokens):
             truth = self.continuations[tuple(request.prompt_token_ids)][
                 request.num_output_tokens:]
+            if self.truth_first:
+                chain = truth[:(cap + 1) // 2]
+                decoys = [(chain[j] + 1) % VOCAB for j in reversed(range(len(chain)))]
+                tokens = (chain + decoys)[:cap]
+                parents = (list(range(-1, len(chain) - 1))
+                           + [j - 1 for j in reversed(range(len(chain)))])[:cap]
+                self.num_trees += len(tokens) > len(chain)
+                proposals.append(DraftProposal(tokens, parents=parents or None))
+                continue
             tokens, parents, parent = [], [], -1
             for true_token in truth:
                 if len(tokens) + 3 > cap:
@@ -164,3 +178,28 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path):
         if spec is not None:
             assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 100
     assert two_sample_chi2_pvalue(*counts) > 1e-4, counts
+
+
+def test_adaptive_speculation_sizes_trees_and_stays_lossless(checkpoint, plain):
+    """With "adaptive", the policy picks each tree's node count from the step costs (pinned here,
+    so the test does not depend on this machine's timings) and acceptance; the tree is cut to a
+    depth-first prefix of that many nodes. Tokens stay identical, and trees of several sizes run."""
+    params = [greedy()] * len(PROMPTS)
+    expected = token_ids(plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params))
+    llm = LLM(checkpoint, dtype="float64", max_model_len=128, num_kv_blocks=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 9,
+                                  "draft_tree": True, "adaptive": True})
+    llm.engine.adaptive.cost = PinnedCost(per_token=0.001)
+    llm.engine.proposer = OracleTreeProposer({tuple(p): out for p, out in zip(PROMPTS, expected)},
+                                             truth_first=True)
+    sizes = []
+    update = llm.engine.scheduler.update_draft_token_ids
+
+    def recording(drafts):
+        sizes.extend(len(p.token_ids) for p in drafts.proposals.values() if p.is_tree)
+        update(drafts)
+
+    llm.engine.scheduler.update_draft_token_ids = recording
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert token_ids(outs) == expected
+    assert sizes and max(sizes) <= 9 and len(set(sizes)) > 1, sizes
