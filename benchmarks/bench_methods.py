@@ -82,7 +82,7 @@ def main() -> None:
     wanted = None if args.methods is None else {"plain", *args.methods.split(",")}
     engines = {name: LLM(args.model, **engine_kwargs(args), speculative_config=config)
                for name, config in method_configs(args).items()
-               if wanted is None or name in wanted}
+               if wanted is None or name.removesuffix(" tree") in wanted}
     prompts = chat_prompts(engines["plain"].tokenizer)
     for llm in engines.values():
         run_engine(llm, prompts["open_chat"], 8)  # warm-up
