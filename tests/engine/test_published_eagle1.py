@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from reference_attention import reference_self_attention
 from safetensors.torch import load_file, save_file
 from spec_outputs import token_ids, two_sample_chi2_pvalue
 from tiny_models import build_tiny_checkpoint
@@ -113,28 +114,11 @@ def reference_head(folder: str, embeds: torch.Tensor, features: torch.Tensor,
     w = saved_tensors(folder)
     p, eps = "layers.0.", arch.rms_norm_eps
     heads, kv_heads = arch.num_heads, arch.num_kv_heads
-    head_dim = arch.hidden_size // heads
 
     x = torch.cat([embeds, features], dim=-1) @ w["fc.weight"].T
     if "fc.bias" in w:
         x = x + w["fc.bias"]
-    T = len(x)
-    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, heads, head_dim)
-    k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, kv_heads, head_dim)
-    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, kv_heads, head_dim)
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
-    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
-
-    def rope(t):
-        half = t.shape[-1] // 2
-        return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
-
-    q, k = rope(q), rope(k)
-    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-    attended = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                              v.transpose(0, 1), is_causal=True)
-    x = x + attended.transpose(0, 1).reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+    x = x + reference_self_attention(x, w, p, heads, kv_heads)
     post = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) \
         * w[p + "post_attention_layernorm.weight"]
     mlp = F.silu(post @ w[p + "mlp.gate_proj.weight"].T) * (post @ w[p + "mlp.up_proj.weight"].T)
