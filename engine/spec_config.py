@@ -8,6 +8,7 @@
     {"method": "eagle3", "model": "/path/to/eagle3-head", "num_speculative_tokens": 3}
     {"method": "ngram", "num_speculative_tokens": 5, "adaptive": true}
     {"method": "suffix", "num_speculative_tokens": 12, "draft_tree": true}
+    {"method": "eagle", "model": "/path/to/head", "num_speculative_tokens": 8, "draft_tree": true}
 
 With "adaptive", num_speculative_tokens is the most a request drafts: each step the engine picks
 every request's k in 0..that from measured costs and recent acceptance (engine/adaptive/).
@@ -33,7 +34,7 @@ MAX_SPECULATIVE_TOKENS = 16
 # a draft tree's node budget may go further: its rows spread over branches, not depth
 MAX_TREE_DRAFT_TOKENS = 32
 # the methods that draft trees (several guesses at once, verified in one pass)
-TREE_METHODS = ("ngram", "suffix")
+TREE_METHODS = ("ngram", "suffix", "eagle", "eagle3")
 # suffix trees cost O(depth) per committed token in Python: deeper buys little and costs every step
 MAX_SUFFIX_DEPTH = 64
 # who drafts from whose finished outputs: requests of one tenant (same cache_salt), or everybody
@@ -47,8 +48,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     # choose each request's k per step (at most num_speculative_tokens) to maximise tokens per second
     adaptive: bool = False
-    # draft a tree of guesses (n-gram: several matches; suffix: the most frequent continuations),
-    # num_speculative_tokens its node budget, verified in one pass under a tree attention mask
+    # draft a tree of guesses (n-gram: several matches; suffix: the most frequent continuations;
+    # EAGLE: the head's top-k expanded by confidence), num_speculative_tokens its node budget,
+    # verified in one pass under a tree attention mask
     draft_tree: bool = False
     # n-gram: the shortest and longest suffix of the context looked up earlier in it
     prompt_lookup_min: int = 1
@@ -78,7 +80,7 @@ class SpeculativeConfig:
                              f"{' for a draft tree' if self.draft_tree else ''}, "
                              f"got {self.num_speculative_tokens}")
         if self.draft_tree and self.method not in TREE_METHODS:
-            raise ValueError(f"draft_tree is built for {' and '.join(TREE_METHODS)}; "
+            raise ValueError(f"draft_tree is built for {', '.join(TREE_METHODS)}; "
                              f"{self.method!r} drafts a chain")
         if self.method == "draft_model" and not self.model:
             raise ValueError('speculative method "draft_model" needs "model": a local folder or '

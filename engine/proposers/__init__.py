@@ -31,7 +31,7 @@ def build_proposer(config: SpeculativeConfig, target: TargetHandle) -> Proposer:
     if config.method in ("eagle", "eagle3"):
         from engine.proposers.eagle import EagleProposer
 
-        return EagleProposer(config.model, target, config.method)
+        return EagleProposer(config.model, target, config.method, tree=config.draft_tree)
     raise ValueError(f"unknown speculative method {config.method!r}")
 
 

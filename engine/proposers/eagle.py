@@ -10,6 +10,10 @@ The target's features arrive through `record_target_hidden` after every step, pr
 included; those not yet consumed wait in a small per-request buffer. They are also kept per target KV
 slot (target_features.py): a request that starts after a cached prefix reads the prefix's features
 from there, and the head computes its own K/V for the prefix in its first catch-up.
+
+With `tree`, the drafts are a tree grown level by level (eagle_tree.py): one head pass per level
+over the newest token and the tree's nodes as tree rows, in the slots the rollout would use, so
+they too are overwritten by the next catch-up.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from engine.proposers.base import DraftProposal, Proposer, TargetHandle
 from engine.proposers.chain import draft_chains
 from engine.proposers.eagle3_head import Eagle3Head
 from engine.proposers.eagle_head import EagleHead
+from engine.proposers.eagle_tree import TreeGrowth
 from engine.proposers.target_features import TargetFeatureStore
 from engine.request import Request
 
@@ -60,7 +65,10 @@ class EagleProposer(Proposer):
 
     needs_committed_hidden = True
 
-    def __init__(self, folder: str, target: TargetHandle, method: str = "eagle") -> None:
+    def __init__(self, folder: str, target: TargetHandle, method: str = "eagle",
+                 tree: bool = False) -> None:
+        # draft a tree of up to cap nodes (eagle_tree.py) instead of a chain of cap tokens
+        self.tree = tree
         if method == "eagle3":
             self.head, self.target_feature_layers = Eagle3Head.load(
                 folder, target.arch, target.dtype, target.device)
@@ -119,6 +127,8 @@ class EagleProposer(Proposer):
                 target_hidden: torch.Tensor | None) -> list[DraftProposal]:
         caps = [cap if cap > 0 and self._reserve(request, cap) else 0
                 for request, cap in zip(requests, max_num_tokens)]
+        if self.tree:
+            return self._propose_trees(requests, caps)
         # the head's h at each drafting request's newest position, row by row of `last_rows`
         last: torch.Tensor | None = None
         last_rows: list[int] = []
@@ -153,7 +163,10 @@ class EagleProposer(Proposer):
         if not (state.num_cached < num_tokens and state.feature_start <= state.num_cached - 1
                 and state.feature_end >= num_tokens - 1):
             return False
-        if not self.runner.reserve(request.request_id, num_tokens + cap - 1):
+        # a chain's rollout writes up to position num_tokens + cap - 2; a tree's passes write the
+        # newest token and at most cap nodes from position num_tokens - 1 on
+        num_slots = num_tokens + cap if self.tree else num_tokens + cap - 1
+        if not self.runner.reserve(request.request_id, num_slots):
             self._disable(request.request_id)  # the head's pool is full: no drafts for this one
             return False
         return True
@@ -182,6 +195,70 @@ class EagleProposer(Proposer):
         return self._run(self.runner.prepare([
             SequenceRows(request.request_id, request.num_tokens - 1 + step, [token])
             for request, token in zip(requests, tokens)]), features)
+
+    def _propose_trees(self, requests: list[Request], caps: list[int]) -> list[DraftProposal]:
+        """Trees grown level by level, every drafting request's level in one head pass."""
+        rows = [i for i, cap in enumerate(caps) if cap > 0]
+        proposals = [DraftProposal([]) for _ in requests]
+        if not rows:
+            return proposals
+        drafting = [requests[i] for i in rows]
+        # NOTE: read before the catch-up consumes them: f_{num_tokens-2}, the newest token's
+        # feature, which every tree pass's root row is fed again
+        root_features = self._newest_features(drafting)  # [len(rows), feature]
+        root_hidden = self._catch_up(drafting)  # [len(rows), hidden]
+        growths = [TreeGrowth(request, caps[i], h)
+                   for request, i, h in zip(drafting, rows, root_hidden)]
+        for growth, logits in zip(growths, self._logits(root_hidden)):
+            growth.expand([-1], logits[None])
+        while growing := [g for g, growth in enumerate(growths) if growth.frontier]:
+            frontier_hidden = self._tree_pass([growths[g] for g in growing],
+                                              root_features[growing])
+            for g, hidden in zip(growing, frontier_hidden):
+                growth = growths[g]
+                for node, h in zip(growth.frontier, hidden):
+                    growth.nodes[node].hidden = h
+                growth.expand(growth.frontier, self._logits(hidden))
+        for i, growth in zip(rows, growths):
+            proposals[i] = growth.proposal()
+        return proposals
+
+    def _tree_pass(self, growths: list[TreeGrowth],
+                   root_features: torch.Tensor) -> list[torch.Tensor]:
+        """One head pass over each tree's newest token and the nodes its frontier needs, as tree
+        rows from position num_tokens - 1; returns h at each tree's frontier nodes, in order:
+        [len(frontier), hidden] per tree. root_features: [len(growths), feature].
+
+        NOTE: the rows fill slots num_tokens - 1 .. num_tokens - 1 + len(nodes). The newest token's
+        K/V is rewritten from the same token and feature the catch-up used; the nodes' slots are
+        past the committed tokens, and the next catch-up (from num_cached = num_tokens on) writes
+        every one of them it later reads.
+        """
+        sequences: list[SequenceRows] = []
+        features: list[torch.Tensor] = []
+        frontier_rows: list[list[int]] = []
+        first_row = 0
+        for growth, root_feature in zip(growths, root_features):
+            request, nodes = growth.request, growth.pass_rows()
+            row_of = {node: 1 + r for r, node in enumerate(nodes)}
+            parents = [-1] + [0 if growth.nodes[node].parent < 0
+                              else row_of[growth.nodes[node].parent] for node in nodes]
+            newest = request.token_ids_between(request.num_tokens - 1, request.num_tokens)
+            sequences.append(SequenceRows(
+                request.request_id, request.num_tokens - 1,
+                newest + [growth.nodes[node].token_id for node in nodes], parents))
+            features += [root_feature] + [growth.feature(node) for node in nodes]
+            frontier_rows.append([first_row + row_of[node] for node in growth.frontier])
+            first_row += 1 + len(nodes)
+        hidden = self._run(self.runner.prepare(sequences), torch.stack(features))
+        return [hidden[rows] for rows in frontier_rows]
+
+    def _newest_features(self, requests: list[Request]) -> torch.Tensor:
+        """The target feature each request's newest token is fed with, f_{num_tokens-2}:
+        [len(requests), feature]."""
+        return torch.stack([
+            state.features[request.num_tokens - 2 - state.feature_start]
+            for request, state in ((r, self.states[r.request_id]) for r in requests)])
 
     def _run(self, inputs: PagedInputs, features: torch.Tensor) -> torch.Tensor:
         return self.runner.run(inputs, self.embed_tokens(inputs.input_ids), features)

@@ -202,7 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--documents", action="store_true",
                         help="also train on standard-library documentation read as the model's own "
                              "answer (more data, no generation cost): the MLP where the text agrees "
-                             "with its greedy choices, EAGLE at every position, labelled by the "
+                             "with its greedy choices, EAGLE at every position of it, labelled by the "
                              "target")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
     if args.method in EAGLE_METHODS:
         if args.documents:
             sequences += document_sequences(tokenizer, build_documents())
-        print(run_eagle(args, reference, tokenizer, [ids for ids, _ in sequences], trained_for))
+        print(run_eagle(args, reference, tokenizer, sequences, trained_for))
         return 0
     embed, head = reference.get_input_embeddings(), reference.get_output_embeddings()
     # NOTE: held out by whole answers: positions of one answer are too alike to test on each other

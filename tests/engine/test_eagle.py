@@ -209,3 +209,17 @@ def test_training_makes_the_head_guess_what_the_target_says(target, arch, untrai
         rates.append(pooled_acceptance_rate(spec_outs))
     # NOTE: a random tiny target is hard to predict from one layer; what matters is the jump
     assert rates[1] > max(0.1, 5 * rates[0]), rates
+
+
+def test_training_holds_out_whole_prompts():
+    """Every answer to a held-out prompt is held out (sampled answers copy the greedy one); with
+    one prompt, whole sequences are held out instead."""
+    from engine.training.train_eagle import hold_out_prompts
+
+    sequences = [([1, p, 9] + [p] * answer, 3) for answer in (2, 3) for p in range(20)]
+    held_out, training = hold_out_prompts(sequences)
+    assert {tuple(ids[:3]) for ids, _ in held_out} == {(1, 0, 9), (1, 1, 9)}
+    assert len(held_out) == 4 and len(training) == 36
+    assert not {tuple(ids[:3]) for ids, _ in held_out} & {tuple(ids[:3]) for ids, _ in training}
+    held_out, training = hold_out_prompts([([1, 2, 3 + i], 2) for i in range(20)])
+    assert held_out == [([1, 2, 3], 2), ([1, 2, 4], 2)] and len(training) == 18

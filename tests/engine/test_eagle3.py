@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from reference_attention import reference_self_attention
 from safetensors.torch import save_file
 from spec_outputs import pooled_acceptance_rate, token_ids, two_sample_chi2_pvalue
 from tiny_models import build_tiny_checkpoint
@@ -142,7 +143,6 @@ def reference_head(folder: str, layout: str, embeds: torch.Tensor, fused: torch.
         w = {k: v.double() for k, v in load_file(path).items()}
     p = "midlayer." if layout == "eagle3" else "layers.0."
     eps, heads, kv_heads = arch.rms_norm_eps, arch.num_heads, arch.num_kv_heads
-    head_dim = arch.hidden_size // heads
 
     def rms(x, weight):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -151,23 +151,7 @@ def reference_head(folder: str, layout: str, embeds: torch.Tensor, fused: torch.
     normed = rms(g, w[p + "hidden_norm.weight"])
     residual = normed if layout == "speculators" else g  # speculators: norm_before_residual
     x = torch.cat([rms(embeds, w[p + "input_layernorm.weight"]), normed], dim=-1)
-    T = len(x)
-    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, heads, head_dim)
-    k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, kv_heads, head_dim)
-    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, kv_heads, head_dim)
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
-    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
-
-    def rope(t):
-        half = t.shape[-1] // 2
-        return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
-
-    q, k = rope(q), rope(k)
-    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
-    attended = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                              v.transpose(0, 1), is_causal=True)
-    x = residual + attended.transpose(0, 1).reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+    x = residual + reference_self_attention(x, w, p, heads, kv_heads)
     post = rms(x, w[p + "post_attention_layernorm.weight"])
     mlp = (F.silu(post @ w[p + "mlp.gate_proj.weight"].T) * (post @ w[p + "mlp.up_proj.weight"].T))
     state = x + mlp @ w[p + "mlp.down_proj.weight"].T
@@ -342,6 +326,67 @@ def test_training_makes_the_head_guess_what_the_target_says(target, arch, tmp_pa
     assert rates[1] > max(0.1, 5 * rates[0]), rates
 
 
+def test_the_agreement_counts_answers_and_the_loss_prompts_by_choice(target, arch):
+    """The agreement never counts prompt positions: garbage labels there leave it unchanged. With
+    --answer-only-loss they are context only: garbage labels and teacher features there change
+    neither the trained weights nor the agreement; by default (or counted as answer) they change
+    both, so each comparison can fail. Marks follow the whole sequence across max_len pieces."""
+    from dataclasses import replace
+
+    from engine.proposers.eagle3_head import Eagle3Config
+    from engine.training.train_eagle import chain_accuracy, extract_features, train_head
+    from engine.training.train_speculator import load_reference
+
+    plain = LLM(target, dtype="float32", max_model_len=256, num_kv_blocks=64)
+    prompts = [[1] + [(7 * i + j) % 90 + 2 for j in range(12)] for i in range(16)]
+    outs = plain.generate([{"prompt_token_ids": p} for p in prompts],
+                          SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    reference = load_reference(target)
+    stream = extract_features(reference, [o.prompt_token_ids + o.outputs[0].token_ids
+                                          for o in outs], max_len=20,
+                              aux_layers=tuple(FEATURE_LAYERS), prompt_lens=[13] * len(prompts))
+    # label p is token p + 1: an answer token from p = 12 on, in the second piece too
+    assert stream.is_answer.tolist() == ([False] * 12 + [True] * 25) * len(prompts)
+    is_prompt = ~stream.is_answer
+    garbled = replace(stream,
+                      labels=torch.where(is_prompt, (stream.labels + 1) % arch.vocab_size,
+                                         stream.labels),
+                      features=torch.where(is_prompt[:, None], 10 * torch.randn(
+                          stream.features.shape, generator=torch.Generator().manual_seed(1)),
+                          stream.features))
+    embed = reference.get_input_embeddings()
+    config = Eagle3Config.for_target(arch, arch.vocab_size, tuple(FEATURE_LAYERS))
+    draft_head = reference.get_output_embeddings().weight.detach()
+
+    def trained(data, answer_only_loss=True) -> tuple[Eagle3Head, list[float]]:
+        torch.manual_seed(0)
+        head = Eagle3Head(config, config.layer_arch(arch), has_embeddings=False)
+        head.draft_token_ids.copy_(torch.arange(arch.vocab_size))
+        with torch.no_grad():
+            head.lm_head.weight.copy_(draft_head)  # as run_eagle starts it
+        train_head(head, embed, draft_head, data, epochs=4, batch_size=8, window=16,
+                   num_steps=2, learning_rate=3e-3, feature_weight=1.0, seed=0,
+                   answer_only_loss=answer_only_loss)
+        return head, chain_accuracy(head, embed, draft_head, data, window=16, num_steps=2)
+
+    def same_weights(a: Eagle3Head, b: Eagle3Head) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+    (clean_head, clean), (garbled_head, garbage) = trained(stream), trained(garbled)
+    assert same_weights(clean_head, garbled_head) and clean == garbage and min(clean) > 0.1
+    everywhere = torch.ones_like(stream.is_answer)
+    (clean_head, clean), (garbled_head, garbage) = (
+        trained(replace(stream, is_answer=everywhere)),
+        trained(replace(garbled, is_answer=everywhere)))
+    assert not same_weights(clean_head, garbled_head) and clean != garbage
+    (clean_head, clean), (garbled_head, garbage) = (trained(stream, answer_only_loss=False),
+                                                    trained(garbled, answer_only_loss=False))
+    assert not same_weights(clean_head, garbled_head)
+    wrong_prompt_labels = replace(stream, labels=garbled.labels)
+    assert chain_accuracy(clean_head, embed, draft_head, wrong_prompt_labels, window=16,
+                          num_steps=2) == clean
+
+
 def test_train_speculator_eagle3_command_trains_and_saves_a_loadable_head(target, arch, tmp_path):
     """The command's own path after generation (`run_eagle` with the command's defaults): it writes
     a speculators folder whose LM head starts from the target's rows, and that folder serves."""
@@ -359,8 +404,9 @@ def test_train_speculator_eagle3_command_trains_and_saves_a_loadable_head(target
     outs = plain.generate([{"prompt_token_ids": p} for p in prompts],
                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     summary = run_eagle(args, load_reference(target), None,
-                        [o.prompt_token_ids + o.outputs[0].token_ids for o in outs], "test")
-    assert "EAGLE-3" in summary and out in summary
+                        [(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids))
+                         for o in outs], "test")
+    assert "EAGLE-3" in summary and "on answer tokens" in summary and out in summary
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["draft_vocab_size"] == 48
     spec_outs = spec_llm(target, out).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
