@@ -12,6 +12,7 @@ from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle_head import EagleConfig, EagleHead
+from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 
 SYSTEM = list(range(3, 60))  # a shared "system prompt" of 57 tokens: 3 full blocks of 16
 PROMPTS = [[1] + SYSTEM + [70, 71, 72], [1] + SYSTEM + [80, 81], [1] + SYSTEM[:20] + [90],
@@ -37,13 +38,28 @@ def expected(tiny_llama) -> list[list[int]]:
     return [tokens(llm.generate([{"prompt_token_ids": p}], GREEDY))[0] for p in PROMPTS]
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft_model"])
-def test_cached_prefixes_are_skipped_and_the_tokens_stay(tiny_llama, expected, method):
-    """The draft model keeps its own KV and recomputes the prefix itself: never stale."""
+@pytest.fixture(scope="module")
+def mlp_speculator_folder(tiny_llama, tmp_path_factory) -> str:
+    arch = LlamaArch.from_hf_config(load_checkpoint(tiny_llama, torch.float32).hf_config)
+    torch.manual_seed(0)
+    folder = str(tmp_path_factory.mktemp("mlp_speculator"))
+    MLPSpeculator(MLPSpeculatorConfig(hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+                                      num_stages=3)).save(folder)
+    return folder
+
+
+@pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft_model", "mlp_speculator"])
+def test_cached_prefixes_are_skipped_and_the_tokens_stay(tiny_llama, expected, method, request):
+    """The draft model keeps its own KV and recomputes the prefix itself: never stale. The MLP
+    speculator reads only the newest position's feature, which a hit still computes (the block
+    holding a prompt's last token is never shared)."""
     speculative_config = {
         "plain": None, "ngram": NGRAM,
         "suffix": {"method": "suffix", "num_speculative_tokens": 4},
         "draft_model": {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 3},
+        "mlp_speculator": {"method": "mlp_speculator", "num_speculative_tokens": 3,
+                           "model": request.getfixturevalue("mlp_speculator_folder")
+                           if method == "mlp_speculator" else None},
     }[method]
     llm = engine(tiny_llama, caching=True, speculative_config=speculative_config)
     first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
