@@ -6,7 +6,7 @@ import torch
 
 from engine.models.arch import LlamaArch
 from engine.models.cpu_linear import optimize_linears_for_cpu
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, use_fused_ops
 from engine.models.loader import Checkpoint
 from kernels import decoder_ops
 
@@ -24,19 +24,27 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     model.load_weights(checkpoint.weights)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    backend = "torch"
-    if device.type == "cpu":
-        backend = optimize_linears_for_cpu(model)
     if gpu_kernels == "triton":
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"gpu_kernels triton takes float32, float16 or bfloat16, not {dtype}")
         from kernels import fused_ops_triton
-        model.use_fused_ops(fused_ops_triton)
-        backend += " + triton attention and fused ops"
-    elif device.type == "cpu" and dtype == torch.float32 and decoder_ops.decoder_ops_available():
-        model.use_fused_ops(decoder_ops)
+        backend = optimize_for_cpu(model, dtype, device, fused_ops=False)
+        use_fused_ops(model, fused_ops_triton)
+        return model.eval(), backend + " + triton attention and fused ops"
+    return model.eval(), optimize_for_cpu(model, dtype, device)
+
+
+def optimize_for_cpu(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
+                     fused_ops: bool = True) -> str:
+    """On the CPU, the fastest linears and (float32) specserve's fused per-layer ops, for a model
+    or a draft head built from its blocks, used for inference only; returns what it chose."""
+    if device.type != "cpu":
+        return "torch"
+    backend = optimize_linears_for_cpu(model)
+    if fused_ops and dtype == torch.float32 and decoder_ops.decoder_ops_available():
+        use_fused_ops(model, decoder_ops)
         backend += " + fused-ops"
-    return model.eval(), backend
+    return backend
 
 
 def allocate_kv_cache(arch: LlamaArch, num_blocks: int, block_size: int, dtype: torch.dtype,

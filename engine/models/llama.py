@@ -160,9 +160,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_fused_ops(self, fused_ops: ModuleType | None) -> None:
         """Run every norm, rotary and SiLU-and-multiply through `fused_ops` (None: the torch ops)."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, DecoderLayer, Attention, MLP)):
-                module.fused_ops = fused_ops
+        use_fused_ops(self, fused_ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [num_rows, hidden] (only the rows that sample) -> logits [num_rows, vocab]."""
@@ -210,3 +208,11 @@ class LlamaForCausalLM(nn.Module):
             missing += [name for s in shards if f"{name}#{s}" not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(set(missing))[:8]}")
+
+
+def use_fused_ops(model: nn.Module, fused_ops: ModuleType | None) -> None:
+    """Every norm, attention, MLP and decoder layer of `model` (a target or a draft head built from
+    these blocks) runs its per-layer ops through `fused_ops` (None: the torch ops)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, DecoderLayer, Attention, MLP)):
+            module.fused_ops = fused_ops

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.models.build import optimize_for_cpu
 from engine.paged_runner import PagedInputs, PagedRunner, SequenceRows
 from engine.proposers.base import DraftProposal, Proposer, TargetHandle
 from engine.proposers.chain import draft_chains
@@ -72,6 +73,8 @@ class EagleProposer(Proposer):
         if method == "eagle3":
             self.head, self.target_feature_layers = Eagle3Head.load(
                 folder, target.arch, target.dtype, target.device)
+            # NOTE: before the head's modules are captured below: this swaps its linears
+            optimize_for_cpu(self.head, target.dtype, target.device)
             layer_arch = self.head.config.layer_arch(target.arch)
             # the three target layers' streams, fused once as they arrive
             self._project_features = self.head.fc
@@ -79,11 +82,16 @@ class EagleProposer(Proposer):
             self.embed_tokens = self.head.embed_tokens or target.embed_tokens
         else:
             self.head = EagleHead.load(folder, target.arch, target.dtype, target.device)
+            optimize_for_cpu(self.head, target.dtype, target.device)
             layer_arch = self.head.config.layer_arch(target.arch)
-            # the LM-head rows of the draft vocabulary, a copy
-            draft_head = self.head.draft_head_weight(linear_weight(target.lm_head))
+            # the LM-head rows of the draft vocabulary, a copy, laid out as the target's linears
+            weight = self.head.draft_head_weight(linear_weight(target.lm_head))
+            draft_head = nn.Sequential(nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                                 device="meta"))
+            draft_head[0].weight = nn.Parameter(weight, requires_grad=False)
+            optimize_for_cpu(draft_head, target.dtype, target.device)
             self._project_features = None
-            self._draft_logits = lambda hidden: hidden @ draft_head.T
+            self._draft_logits = draft_head[0]
             # the target's embedding, read-only
             self.embed_tokens = target.embed_tokens
         self.feature_size = layer_arch.hidden_size
