@@ -2,7 +2,7 @@
 workload (greedy, batch 1, float32), and whether each method's tokens equal plain decoding's.
 
 Run: python -m benchmarks.bench_methods [--speculator DIR] [--eagle DIR] [--eagle3 DIR] [--draft DIR]
-     [--max-tokens 128] [--tree-budget 10]
+     [--max-tokens 128] [--tree-budget 10] [--adaptive]
      [--repeats 2] [--threads 2] [--workloads code_editing,extraction,open_chat] [--methods ngram,...]
 The MLP speculator row needs --speculator, the EAGLE row --eagle and the EAGLE-3 row --eagle3
 (folders from `specserve train-speculator [--method eagle|eagle3]`, or published heads); the draft
@@ -10,7 +10,8 @@ model defaults to the layer-skip cut of benchmarks/make_draft.py. "suffix" draft
 own tokens only; "suffix+cache" also from earlier requests' outputs, which here include the same
 prompt's previous repeat: the case of a repeated or agentic request, not of a fresh one. With
 --tree-budget N, every method that drafts trees also runs as "<method> tree" with N nodes: chain
-against tree, τ counting tokens per target pass either way.
+against tree, τ counting tokens per target pass either way. With --adaptive, every chain also runs
+as "<method> adaptive": k chosen per step (at most the chain's) from measured costs and acceptance.
 """
 
 from __future__ import annotations
@@ -51,10 +52,14 @@ def method_configs(args: argparse.Namespace) -> dict[str, dict | None]:
     if args.eagle3:
         configs["eagle3"] = {"method": "eagle3", "model": args.eagle3,
                              "num_speculative_tokens": args.eagle_k}
+    chains = [(name, config) for name, config in configs.items() if config is not None]
+    if args.adaptive:
+        for name, config in chains:
+            configs[f"{name} adaptive"] = {**config, "adaptive": True}
     if args.tree_budget:
         # each chain beside its tree: the same method drafting several guesses, verified together
-        for name, config in list(configs.items()):
-            if config is not None and config["method"] in TREE_METHODS:
+        for name, config in chains:
+            if config["method"] in TREE_METHODS:
                 configs[f"{name} tree"] = {**config, "draft_tree": True,
                                            "num_speculative_tokens": args.tree_budget}
     return configs
@@ -73,6 +78,8 @@ def main() -> None:
     parser.add_argument("--tree-budget", type=int, default=0,
                         help="also run each method that drafts trees with a tree of this many "
                              "nodes (0: chains only)")
+    parser.add_argument("--adaptive", action="store_true",
+                        help="also run each chain with adaptive k (at most the chain's)")
     parser.add_argument("--workloads", default="code_editing,extraction,open_chat")
     parser.add_argument("--methods", default=None,
                         help="comma-separated subset of the rows (plain always runs)")
@@ -82,7 +89,7 @@ def main() -> None:
     wanted = None if args.methods is None else {"plain", *args.methods.split(",")}
     engines = {name: LLM(args.model, **engine_kwargs(args), speculative_config=config)
                for name, config in method_configs(args).items()
-               if wanted is None or name.removesuffix(" tree") in wanted}
+               if wanted is None or name.split(" ")[0] in wanted}
     prompts = chat_prompts(engines["plain"].tokenizer)
     for llm in engines.values():
         run_engine(llm, prompts["open_chat"], 8)  # warm-up
