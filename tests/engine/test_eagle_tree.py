@@ -13,10 +13,12 @@ from types import ModuleType
 import numpy as np
 import pytest
 import torch
+from pinned_cost import PinnedCost
 from spec_outputs import token_ids, two_sample_chi2_pvalue
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
+from engine.adaptive.acceptance import MAX_POSITIONS, AcceptanceTracker
 from engine.draft_tree import check_parents, depth_first, paths
 from engine.models.arch import LlamaArch
 from engine.models.loader import load_checkpoint
@@ -182,6 +184,41 @@ def test_greedy_trees_are_token_identical_in_a_batch(method, request):
         assert_valid(proposal, cap)
     assert max(len(p.token_ids) for _, p in seen) == K
     assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 0
+
+
+class PinnedAcceptance(AcceptanceTracker):
+    """Each request's acceptance pinned, by order of arrival, to the next of RATES: the policy's
+    budgets then differ by request whatever a random head's drafts achieve."""
+
+    RATES = (0.95, 0.3, 0.8, 0.6)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rates: dict[str, float] = {}
+
+    def conditional_acceptance(self, request_id: str) -> np.ndarray:
+        rate = self.rates.setdefault(request_id, self.RATES[len(self.rates) % len(self.RATES)])
+        return np.full(MAX_POSITIONS, rate)
+
+
+def test_adaptive_trees_are_sized_by_the_policy_and_stay_lossless(eagle):
+    """With "adaptive", the policy picks each request's node budget (costs and acceptance pinned,
+    so the choice does not rest on this machine's timings); the head grows its tree within that
+    budget. Tokens stay identical, and trees of several sizes run."""
+    target, head, expected = eagle
+    llm = LLM(target, dtype="float64", max_model_len=256, num_kv_blocks=64,
+              speculative_config={"method": "eagle", "model": head, "num_speculative_tokens": K,
+                                  "draft_tree": True, "adaptive": True})
+    llm.engine.adaptive.cost = PinnedCost(per_token=0.001)
+    llm.engine.adaptive.acceptance = PinnedAcceptance()
+    seen = record_proposals(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy())
+    assert token_ids(outs) == expected
+    for cap, proposal in seen:
+        assert_valid(proposal, cap)
+    caps = {cap for cap, _ in seen}
+    assert len(caps) > 1 and max(caps) <= K, caps
+    assert any(p.is_tree for _, p in seen), "no proposal branched"
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(eagle):
