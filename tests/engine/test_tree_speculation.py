@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from pinned_cost import PinnedCost
-from spec_outputs import token_ids, two_sample_chi2_pvalue
+from spec_outputs import third_token_law, token_ids, two_sample_chi2_pvalue
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
@@ -167,17 +167,11 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path):
     two-sample chi-square over 3000 samples each."""
     path = build_tiny_checkpoint(tmp_path, "llama", seed=11, vocab_size=12, initializer_range=0.05)
     prompt = [1, 2, 3, 4, 1, 2, 5, 6, 1, 2, 3, 1, 2]
-    counts = []
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 6, "draft_tree": True}):
-        llm = LLM(path, dtype="float64", max_model_len=32, num_kv_blocks=4096, max_num_seqs=256,
-                  speculative_config=spec)
-        params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s)
-                  for s in range(3000)]
-        outs = llm.generate([{"prompt_token_ids": prompt}] * 3000, params)
-        counts.append(np.bincount([o.outputs[0].token_ids[2] for o in outs], minlength=12))
-        if spec is not None:
-            assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 100
-    assert two_sample_chi2_pvalue(*counts) > 1e-4, counts
+    plain, _ = third_token_law(path, None, prompt, 3000)
+    spec = {"method": "ngram", "num_speculative_tokens": 6, "draft_tree": True}
+    speculative, outs = third_token_law(path, spec, prompt, 3000)
+    assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 100
+    assert two_sample_chi2_pvalue(plain, speculative) > 1e-4, (plain, speculative)
 
 
 def test_adaptive_speculation_sizes_trees_and_stays_lossless(checkpoint, plain):
