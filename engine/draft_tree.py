@@ -57,6 +57,16 @@ def depths(parents: Sequence[int]) -> list[int]:
     return depth
 
 
+def tested_depth(parents: Sequence[int] | None, num_drafts: int, accepted: Sequence[int]) -> int:
+    """How many depths a verification tested: those of the accepted path, plus the next one when
+    the path's last node (the root if none was accepted) has children to test there. A chain that
+    kept a of k drafts tested a + 1 depths (a < k) or k."""
+    if parents is None:
+        return min(len(accepted) + 1, num_drafts)
+    last = accepted[-1] if accepted else -1
+    return len(accepted) + (last in parents)
+
+
 def paths(parents: Sequence[int]) -> list[list[int]]:
     """Each draft's path from the root: the drafts on it, itself last."""
     path: list[list[int]] = []

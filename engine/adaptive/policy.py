@@ -26,6 +26,7 @@ import numpy as np
 
 from engine.adaptive.acceptance import AcceptanceTracker
 from engine.adaptive.step_cost import STALE_AFTER, StepCostModel
+from engine.draft_tree import tested_depth
 from engine.request import Request
 from engine.scheduler import SampledTokens, SchedulerOutput
 
@@ -156,8 +157,13 @@ class AdaptiveSpeculation:
             self.cost.observe_draft(max(chosen_ks), draft_seconds)
         for item, kept in zip(scheduled.sampling, sampled):
             if item.num_draft_tokens:
-                self.observe_verification(item.request.request_id, item.num_draft_tokens,
-                                          len(kept.token_ids) - 1)
+                # NOTE: of a tree, the depths tested, not its node count: a path that ended at a
+                # leaf was not rejected one level deeper
+                accepted = kept.kept_drafts[:len(kept.token_ids) - 1]
+                self.observe_verification(
+                    item.request.request_id,
+                    tested_depth(item.draft_parents, item.num_draft_tokens, accepted),
+                    len(accepted))
 
     def observe_verification(self, request_id: str, num_draft_tokens: int,
                              num_accepted: int) -> None:

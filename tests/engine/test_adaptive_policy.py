@@ -291,3 +291,33 @@ def test_exploration_happens_at_most_once_per_stale_period():
         ks.append(policy.choose([copying], [8], 0)[0])
         policy.cost.observe_verify(1, float(REAL_COST(1)))  # the explored pass is never timed here
     assert ks.count(8) == 2 and ks.index(8) == 0 and ks[STALE_AFTER] == 8
+
+
+def test_a_tree_path_kept_to_a_leaf_counts_no_rejection_below_it():
+    """Of a tree, the depths a verification tested count, not its nodes: a path kept to a leaf was
+    not rejected one level deeper; one whose last node has children was."""
+    from types import SimpleNamespace
+
+    from engine.draft_tree import tested_depth
+
+    # root ─┬─ a ─ b          a, b: drafts 0, 1 (b a leaf)
+    #       └─ c ─ d ─ e      c, d, e: drafts 2, 3, 4
+    parents = [-1, 0, -1, 2, 3]
+    assert tested_depth(parents, 5, [0, 1]) == 2
+    assert tested_depth(parents, 5, [2, 3]) == 3
+    assert tested_depth(parents, 5, []) == 1
+    assert tested_depth(None, 4, [0, 1]) == 3 and tested_depth(None, 2, [0, 1]) == 2
+
+    def acceptance_after(path: list[int]) -> np.ndarray:
+        policy = AdaptiveSpeculation()
+        item = SimpleNamespace(request=request("tree", temperature=0.0), num_draft_tokens=5,
+                               draft_parents=parents)
+        kept = SimpleNamespace(token_ids=[7] * (len(path) + 1), kept_drafts=path)
+        for _ in range(20):
+            policy.observe_step(SimpleNamespace(num_batched_tokens=6, sampling=[item]), [kept],
+                                [5], 0.01, 0.011, 0.001)
+        return policy.acceptance.conditional_acceptance("tree")
+
+    to_leaf, cut_short = acceptance_after([0, 1]), acceptance_after([2, 3])
+    assert to_leaf[:2].min() > 0.9 and cut_short[:2].min() > 0.9
+    assert cut_short[2] < 0.2 < 0.5 <= to_leaf[2]
