@@ -183,8 +183,10 @@ class EngineCore:
         elif self.proposer.drafts_for_free:
             # draft first: the policy then weighs the drafts that exist, and trims them
             proposals = self._propose(requests, caps, target_hidden)
-            caps = self._choose_ks(requests, [len(p.token_ids) for p in proposals])
-            proposals = [p.first(cap) for p, cap in zip(proposals, caps)]
+            caps = self._choose_ks(requests, [len(p.token_ids) for p in proposals],
+                                   [p.parents for p in proposals])
+            proposals = [self.adaptive.keep_best(r.request_id, p, cap)
+                         for r, p, cap in zip(requests, proposals, caps)]
         else:
             caps = self._choose_ks(requests, caps)
             proposals = self._propose(requests, caps, target_hidden)
@@ -200,9 +202,11 @@ class EngineCore:
             proposals = cut_drafts_at_grammar(requests, proposals)
         return proposals
 
-    def _choose_ks(self, requests: list[Request], caps: list[int]) -> list[int]:
+    def _choose_ks(self, requests: list[Request], caps: list[int],
+                   trees: list[list[int] | None] | None = None) -> list[int]:
         return self.adaptive.choose(requests, caps,
-                                    self.scheduler.num_prefill_tokens_next_step(len(requests)))
+                                    self.scheduler.num_prefill_tokens_next_step(len(requests)),
+                                    trees)
 
     def _account(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
                  choices: list[DraftChoice], start: float, verified: float,

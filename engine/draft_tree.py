@@ -57,14 +57,40 @@ def depths(parents: Sequence[int]) -> list[int]:
     return depth
 
 
-def tested_depth(parents: Sequence[int] | None, num_drafts: int, accepted: Sequence[int]) -> int:
-    """How many depths a verification tested: those of the accepted path, plus the next one when
-    the path's last node (the root if none was accepted) has children to test there. A chain that
-    kept a of k drafts tested a + 1 depths (a < k) or k."""
+def sibling_ranks(parents: Sequence[int]) -> list[int]:
+    """Each draft's place among its parent's children, in order (0: the first, likeliest child)."""
+    seen: dict[int, int] = {}
+    ranks = []
+    for parent in parents:
+        ranks.append(seen.get(parent, 0))
+        seen[parent] = ranks[-1] + 1
+    return ranks
+
+
+def verification_outcomes(parents: Sequence[int] | None, num_drafts: int,
+                          accepted: Sequence[int], ranks: Sequence[int] | None = None,
+                          ) -> tuple[list[tuple[int, bool]], list[tuple[int, bool]]]:
+    """What one verification told about its drafts, from its accepted path: every child of a kept
+    node (the root first) was kept or not, since one token follows a node. Returns (first children:
+    (depth, kept) of each such child of rank 0; later siblings: (rank, kept) of the others). `ranks`:
+    each draft's rank in the proposer's own tree when this one is cut from it (default: its rank
+    here). A chain that kept a of k drafts: depths 1..a kept, and a + 1 not if a < k."""
     if parents is None:
-        return min(len(accepted) + 1, num_drafts)
-    last = accepted[-1] if accepted else -1
-    return len(accepted) + (last in parents)
+        parents = chain_parents(num_drafts)
+    ranks = sibling_ranks(parents) if ranks is None else ranks
+    node_depths = depths(parents)
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    first_children: list[tuple[int, bool]] = []
+    later_siblings: list[tuple[int, bool]] = []
+    for parent, kept in zip([-1, *accepted], [*accepted, None]):
+        for child in children.get(parent, ()):
+            if ranks[child] == 0:
+                first_children.append((node_depths[child], child == kept))
+            else:
+                later_siblings.append((ranks[child], child == kept))
+    return first_children, later_siblings
 
 
 def paths(parents: Sequence[int]) -> list[list[int]]:

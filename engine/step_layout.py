@@ -61,6 +61,15 @@ class DraftProposal:
         return DraftProposal(self.token_ids[:k], None if self.probs is None else self.probs[:k],
                              None if self.parents is None else self.parents[:k])
 
+    def keep(self, drafts: list[int]) -> DraftProposal:
+        """Only `drafts` (ascending indices, each with its parent): still a tree in order, since
+        dropping whole subtrees from a depth-first listing leaves one."""
+        position = {draft: i for i, draft in enumerate(drafts)}
+        parents = None if self.parents is None else [
+            -1 if self.parents[d] < 0 else position[self.parents[d]] for d in drafts]
+        return DraftProposal([self.token_ids[d] for d in drafts],
+                             None if self.probs is None else self.probs[drafts], parents)
+
     def main_chain(self) -> DraftProposal:
         """The first branch alone, a chain (for what only follows one path: grammars, penalties)."""
         return self.first(main_chain_length(self.parents, len(self.token_ids)))

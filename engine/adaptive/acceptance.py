@@ -14,11 +14,26 @@ longer memory: deep positions are tested only after every earlier draft was kept
 sees them rarely, while the engine learns that copied passages hold once they start (a_1 low, a_2 ..
 high). The engine's own a_j is shrunk toward its a_(j-1): a position never tested yet is assumed as
 good as the one before it, and the geometric model (every a_j equal) is where the estimates start.
+
+A tree (engine/draft_tree.py) tells more per verification: once a node is kept, each of its
+children was the next token or not. Its a_j is read off first children (the proposer's first guess
+after a node at depth j - 1, as a chain's draft j is); a later sibling of rank r, the proposer's
+(r+1)-th guess there, is kept with chance b_r, pooled over depths and requests (side branches are
+rarer than main chains). Each node's chance of being kept is then its parent's times a_j (first
+child) or b_r (rank r), never above its parent's, and a tree is valued and cut by its nodes' chances
+(policy.py), not by its depth-first order. Ranks are the proposer's: a tree cut to its likeliest
+nodes is observed with its nodes' ranks in the uncut tree, so a dropped first guess does not
+promote the second to first. (With sampled drafts, siblings after the kept one were not tested;
+they count as not kept, which is exact for greedy requests.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+
+from engine.draft_tree import depths, sibling_ranks, verification_outcomes
 
 # per verification: a request's counts weigh ~1/(1-0.8) = 5 recent verifications
 REQUEST_DECAY = 0.8
@@ -28,6 +43,8 @@ ENGINE_DECAY = 0.99
 PRIOR_WEIGHT = 1.0
 # before anything was verified: a neutral guess, corrected by the first verifications
 INITIAL_ACCEPTANCE = 0.5
+# a later sibling (a second guess) before any was verified: guessed worse than a first guess
+INITIAL_SIBLING_ACCEPTANCE = 0.3
 # a_j = 1 would make every deeper draft look free
 MAX_ACCEPTANCE = 0.98
 # positions tracked; deeper drafts share the last one's estimate
@@ -35,18 +52,18 @@ MAX_POSITIONS = 32
 
 
 class _PositionCounts:
-    """Decayed accepted / rejected counts per draft position."""
+    """Decayed accepted / rejected counts per draft position (or per sibling rank)."""
 
     def __init__(self) -> None:
         self.accepted = np.zeros(MAX_POSITIONS)
         self.rejected = np.zeros(MAX_POSITIONS)
 
-    def add(self, num_draft_tokens: int, num_accepted: int, decay: float) -> None:
+    def add(self, outcomes: Sequence[tuple[int, bool]], decay: float) -> None:
+        """One verification's (1-based position, kept) outcomes."""
         self.accepted *= decay
         self.rejected *= decay
-        self.accepted[:min(num_accepted, MAX_POSITIONS)] += 1.0
-        if num_accepted < num_draft_tokens:
-            self.rejected[min(num_accepted, MAX_POSITIONS - 1)] += 1.0
+        for position, kept in outcomes:
+            (self.accepted if kept else self.rejected)[min(position, MAX_POSITIONS) - 1] += 1.0
 
     def estimate_toward(self, prior: np.ndarray, prior_weight: float) -> np.ndarray:
         """[MAX_POSITIONS] a_j = (accepted_j + w prior_j) / (tested_j + w)."""
@@ -70,9 +87,12 @@ class AcceptanceTracker:
     def __init__(self) -> None:
         self._engine = _PositionCounts()
         self._requests: dict[str, _PositionCounts] = {}
-        # the engine's estimate, the prior of every request: computed once per batch of
+        # later siblings of trees, by rank (position r - 1 holds rank r), engine-wide
+        self._siblings = _PositionCounts()
+        # the engine's estimates, the prior of every request: computed once per batch of
         # verifications, not once per request and step
         self._engine_estimate: np.ndarray | None = None
+        self._sibling_estimate: np.ndarray | None = None
 
     @property
     def engine_acceptance(self) -> np.ndarray:
@@ -80,6 +100,13 @@ class AcceptanceTracker:
         if self._engine_estimate is None:
             self._engine_estimate = self._engine.estimate(INITIAL_ACCEPTANCE, 1.0)
         return self._engine_estimate
+
+    @property
+    def sibling_acceptance(self) -> np.ndarray:
+        """[MAX_POSITIONS] b_r at index r - 1: a later sibling of rank r kept, once its parent was."""
+        if self._sibling_estimate is None:
+            self._sibling_estimate = self._siblings.estimate(INITIAL_SIBLING_ACCEPTANCE, 1.0)
+        return self._sibling_estimate
 
     def conditional_acceptance(self, request_id: str) -> np.ndarray:
         """[MAX_POSITIONS] a_j for the request: its own recent verifications over the engine's."""
@@ -93,12 +120,36 @@ class AcceptanceTracker:
         per_position = conditional[np.minimum(np.arange(depth), MAX_POSITIONS - 1)]
         return np.cumprod(per_position)
 
-    def observe(self, request_id: str, num_draft_tokens: int, num_accepted: int) -> None:
-        """One verification of `num_draft_tokens` drafts that kept `num_accepted` of them."""
-        self._requests.setdefault(request_id, _PositionCounts()).add(
-            num_draft_tokens, num_accepted, REQUEST_DECAY)
-        self._engine.add(num_draft_tokens, num_accepted, ENGINE_DECAY)
+    def tree_chances(self, request_id: str, parents: Sequence[int]) -> np.ndarray:
+        """[len(parents)]: the chance each draft of the proposer's tree `parents` is kept (module
+        docstring); never above its parent's."""
+        conditional = self.conditional_acceptance(request_id)
+        sibling = self.sibling_acceptance
+        chances = np.empty(len(parents))
+        for node, (parent, depth, rank) in enumerate(zip(parents, depths(parents),
+                                                         sibling_ranks(parents))):
+            own = (conditional[min(depth, MAX_POSITIONS) - 1] if rank == 0
+                   else sibling[min(rank, MAX_POSITIONS) - 1])
+            chances[node] = own * (1.0 if parent < 0 else chances[parent])
+        return chances
+
+    def observe(self, request_id: str, num_draft_tokens: int, num_accepted: int,
+                parents: Sequence[int] | None = None, accepted_drafts: Sequence[int] | None = None,
+                ranks: Sequence[int] | None = None) -> None:
+        """One verification of `num_draft_tokens` drafts, a chain or the tree `parents`, that kept
+        `num_accepted` of them (of a tree: the first of the path `accepted_drafts`); `ranks`: the
+        drafts' ranks in the proposer's tree when the policy cut this one from it."""
+        accepted = (range(num_accepted) if parents is None
+                    else list(accepted_drafts or ())[:num_accepted])
+        first_children, later_siblings = verification_outcomes(parents, num_draft_tokens,
+                                                               list(accepted), ranks)
+        self._requests.setdefault(request_id, _PositionCounts()).add(first_children,
+                                                                     REQUEST_DECAY)
+        self._engine.add(first_children, ENGINE_DECAY)
         self._engine_estimate = None
+        if later_siblings:
+            self._siblings.add(later_siblings, ENGINE_DECAY)
+            self._sibling_estimate = None
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)

@@ -13,6 +13,12 @@ This is what makes speculation back off under load: when the target pass turns c
 batch, long prefill chunks), extra rows stop being nearly free, the marginal draft no longer pays,
 and k falls toward 0; with few requests and a cheap extra row, k rises to the configured maximum.
 
+A tree of drafts (engine/draft_tree.py) is weighed node by node: each node's chance of being kept
+(acceptance.py) is its gain, the best nodes go first, and a tree cut to k drafts keeps its k likeliest
+nodes (a child is never likelier than its parent, so they form a tree). Proposers that draft for free
+hand the policy their trees; a model drafter (EAGLE) is given its budget before it drafts, valued as
+a chain of that length.
+
 The costs are only as good as their last measurement, and the policy measures only the pass sizes
 it picks: when its choice rests on a size not timed in a while (step_cost.STALE_AFTER passes), it
 verifies every draft once, at most once per that many passes, to time it again.
@@ -26,9 +32,10 @@ import numpy as np
 
 from engine.adaptive.acceptance import AcceptanceTracker
 from engine.adaptive.step_cost import STALE_AFTER, StepCostModel
-from engine.draft_tree import tested_depth
+from engine.draft_tree import sibling_ranks
 from engine.request import Request
 from engine.scheduler import SampledTokens, SchedulerOutput
+from engine.step_layout import DraftProposal
 
 # speculate only when the model predicts at least this much more throughput than plain decoding:
 # the margin absorbs noise in the measured costs
@@ -92,33 +99,42 @@ class AdaptiveSpeculation:
         self.acceptance = AcceptanceTracker()
         # request id -> steps in a row it could have drafted but was given k = 0
         self._steps_without_drafts: dict[str, int] = {}
+        # request id -> (drafts, their ranks in the proposer's tree) of the tree this step's
+        # verification checks, when the policy cut it (keep_best); the cuts made this step wait in
+        # _new_cuts until this step's verifications are observed
+        self._cuts: dict[str, tuple[list[int], list[int]]] = {}
+        self._new_cuts: dict[str, tuple[list[int], list[int]] | None] = {}
         # the cost model's pass count at the last exploration: at most one per STALE_AFTER passes,
         # so a busy batch whose sizes vary (prefill chunks) pays for at most that share of them
         self._explored_at = -STALE_AFTER
 
-    def choose(self, requests: Sequence[Request], caps: Sequence[int],
-               num_prefill_tokens: int) -> list[int]:
-        """k for each decoding request of the next step, each at most its cap.
+    def choose(self, requests: Sequence[Request], caps: Sequence[int], num_prefill_tokens: int,
+               trees: Sequence[list[int] | None] | None = None) -> list[int]:
+        """k for each decoding request of the next step, each at most its cap. `trees`: of requests
+        whose drafts already exist, each one's tree (its parents) or None for a chain; a tree's k
+        keeps its k likeliest nodes (`keep_best`).
 
         A seeded sampling request keeps its cap: its random numbers are consumed per draft, so a
         k that followed measured timings would make its text differ run to run.
         """
         if not requests:
             return []
+        trees = trees if trees is not None else [None] * len(requests)
         is_fixed = [r.params.seed is not None and not r.params.is_greedy for r in requests]
         adaptive = [i for i, keep in enumerate(is_fixed) if not keep]
         fixed = [i for i, keep in enumerate(is_fixed) if keep]
         num_known = len(requests) + num_prefill_tokens + sum(caps[i] for i in fixed)
         expected = len(adaptive) + sum(
-            1.0 + float(self.acceptance.emission_chances(requests[i].request_id, caps[i]).sum())
-            for i in fixed)
+            1.0 + float(self._gains(requests[i], caps[i], trees[i]).sum()) for i in fixed)
         min_depth = max((caps[i] for i in fixed), default=0)
         chosen = list(caps)
         if adaptive and self.cost.is_ready:
             depth = max(caps[i] for i in adaptive)
+            gains = np.zeros((len(adaptive), depth))
+            for row, i in enumerate(adaptive):
+                gains[row, :caps[i]] = self._gains(requests[i], caps[i], trees[i])
             lengths = best_draft_lengths(
-                np.array([self.acceptance.emission_chances(requests[i].request_id, depth)
-                          for i in adaptive]).reshape(len(adaptive), depth),
+                gains,
                 np.array([caps[i] for i in adaptive]), num_known, self.cost.step_seconds,
                 lambda depth: self.cost.draft_seconds(max(depth, min_depth)), expected)
             all_drafts = sum(caps[i] for i in adaptive)
@@ -132,6 +148,26 @@ class AdaptiveSpeculation:
             for i, k in zip(adaptive, lengths.tolist()):
                 chosen[i] = self._probe(requests[i].request_id, caps[i], k)
         return chosen
+
+    def keep_best(self, request_id: str, proposal: DraftProposal, k: int) -> DraftProposal:
+        """The proposal cut to k drafts: a chain's first k, a tree's k likeliest nodes."""
+        if not proposal.is_tree or k >= len(proposal.token_ids):
+            self._new_cuts[request_id] = None
+            return proposal.first(k)
+        chances = self.acceptance.tree_chances(request_id, proposal.parents)
+        # NOTE: ties go to the earlier node, so a parent (never less likely) comes before its child
+        kept = sorted(sorted(range(len(chances)), key=lambda j: -chances[j])[:k])
+        cut = proposal.keep(kept)
+        ranks = sibling_ranks(proposal.parents)
+        self._new_cuts[request_id] = (cut.token_ids, [ranks[j] for j in kept])
+        return cut
+
+    def _gains(self, request: Request, cap: int, parents: list[int] | None) -> np.ndarray:
+        """[cap] expected tokens from each draft, best first: a chain's positions in order, a
+        tree's nodes by their chance of being kept."""
+        if parents is None:
+            return self.acceptance.emission_chances(request.request_id, cap)
+        return np.sort(self.acceptance.tree_chances(request.request_id, parents))[::-1][:cap]
 
     def _probe(self, request_id: str, cap: int, k: int) -> int:
         if cap == 0:  # it could not draft (budget spent, or a proposer with nothing to offer)
@@ -157,19 +193,25 @@ class AdaptiveSpeculation:
             self.cost.observe_draft(max(chosen_ks), draft_seconds)
         for item, kept in zip(scheduled.sampling, sampled):
             if item.num_draft_tokens:
-                # NOTE: of a tree, the depths tested, not its node count: a path that ended at a
-                # leaf was not rejected one level deeper
-                accepted = kept.kept_drafts[:len(kept.token_ids) - 1]
-                self.observe_verification(
-                    item.request.request_id,
-                    tested_depth(item.draft_parents, item.num_draft_tokens, accepted),
-                    len(accepted))
-
-    def observe_verification(self, request_id: str, num_draft_tokens: int,
-                             num_accepted: int) -> None:
-        self.acceptance.observe(request_id, num_draft_tokens, num_accepted)
+                request_id = item.request.request_id
+                cut = self._cuts.get(request_id)
+                # NOTE: the scheduler may have verified a prefix of the cut (its token budget)
+                ranks = (cut[1][:item.num_draft_tokens]
+                         if cut and cut[0][:item.num_draft_tokens] == item.draft_token_ids
+                         else None)
+                self.acceptance.observe(request_id, item.num_draft_tokens,
+                                        len(kept.token_ids) - 1, item.draft_parents,
+                                        kept.accepted_drafts, ranks)
+        for request_id, cut in self._new_cuts.items():
+            if cut is None:
+                self._cuts.pop(request_id, None)
+            else:
+                self._cuts[request_id] = cut
+        self._new_cuts.clear()
 
     def free(self, request_id: str) -> None:
         self.acceptance.free(request_id)
+        self._cuts.pop(request_id, None)
+        self._new_cuts.pop(request_id, None)
         self._steps_without_drafts.pop(request_id, None)
 

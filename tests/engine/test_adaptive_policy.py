@@ -190,7 +190,7 @@ def test_a_request_left_at_zero_probes_one_draft_now_and_then():
     policy = AdaptiveSpeculation()
     policy.cost = flat_cost()
     for _ in range(20):
-        policy.observe_verification("hopeless", 4, 0)
+        policy.acceptance.observe("hopeless", 4, 0)
     ks = [policy.choose([request("hopeless", temperature=0.0)], [4], 0)[0]
           for _ in range(2 * PROBE_INTERVAL)]
     assert ks.count(1) == 2 and set(ks) == {0, 1}
@@ -203,7 +203,7 @@ def test_steps_with_nothing_to_draft_do_not_count_toward_a_probe():
     policy = AdaptiveSpeculation()
     policy.cost = flat_cost()
     for _ in range(20):
-        policy.observe_verification("hopeless", 4, 0)
+        policy.acceptance.observe("hopeless", 4, 0)
     hopeless = request("hopeless", temperature=0.0)
     ks = [policy.choose([hopeless], [4 if step % 2 else 0], 0)[0]
           for step in range(2 * PROBE_INTERVAL)]
@@ -230,7 +230,7 @@ def test_seeded_sampling_keeps_its_cap_and_greedy_adapts():
     policy.cost = flat_cost()
     for name in ("seeded", "greedy"):
         for _ in range(20):
-            policy.observe_verification(name, 4, 0)
+            policy.acceptance.observe(name, 4, 0)
     ks = policy.choose([request("seeded", temperature=1.0, seed=7),
                         request("greedy", temperature=0.0)], [3, 3], 0)
     assert ks == [3, 0]
@@ -261,7 +261,7 @@ def policy_calibrated_on_a_busy_machine() -> AdaptiveSpeculation:
     for tokens in range(1, 10):
         policy.cost.observe_verify(tokens, float(REAL_COST(tokens)) * (4.0 if tokens > 1 else 1.0))
     for _ in range(40):
-        policy.observe_verification("copying", 8, 8)
+        policy.acceptance.observe("copying", 8, 8)
     for _ in range(STALE_AFTER):
         policy.cost.observe_verify(1, float(REAL_COST(1)))
     return policy
@@ -293,31 +293,83 @@ def test_exploration_happens_at_most_once_per_stale_period():
     assert ks.count(8) == 2 and ks.index(8) == 0 and ks[STALE_AFTER] == 8
 
 
-def test_a_tree_path_kept_to_a_leaf_counts_no_rejection_below_it():
-    """Of a tree, the depths a verification tested count, not its nodes: a path kept to a leaf was
-    not rejected one level deeper; one whose last node has children was."""
+def test_a_tree_verification_counts_first_children_by_depth_and_later_siblings_by_rank():
+    """Of a tree, what was learned counts, not its node count: every child of a kept node was the
+    next token or not; a path kept to a leaf says nothing one level deeper. Ranks are the
+    proposer's, also when the policy cut the tree."""
     from types import SimpleNamespace
 
-    from engine.draft_tree import tested_depth
+    from engine.draft_tree import verification_outcomes
 
     # root ─┬─ a ─ b          a, b: drafts 0, 1 (b a leaf)
-    #       └─ c ─ d ─ e      c, d, e: drafts 2, 3, 4
-    parents = [-1, 0, -1, 2, 3]
-    assert tested_depth(parents, 5, [0, 1]) == 2
-    assert tested_depth(parents, 5, [2, 3]) == 3
-    assert tested_depth(parents, 5, []) == 1
-    assert tested_depth(None, 4, [0, 1]) == 3 and tested_depth(None, 2, [0, 1]) == 2
+    #       └─ c ─┬─ d ─ e    c, d, e: drafts 2, 3, 4; f: draft 5 (c's second child)
+    #             └─ f
+    parents = [-1, 0, -1, 2, 3, 2]
+    assert verification_outcomes(parents, 6, [0, 1]) == ([(1, True), (2, True)], [(1, False)])
+    assert verification_outcomes(parents, 6, [2, 3]) == ([(1, False), (2, True), (3, False)],
+                                                         [(1, True), (1, False)])
+    assert verification_outcomes(parents, 6, [2, 5]) == ([(1, False), (2, False)],
+                                                         [(1, True), (1, True)])
+    assert verification_outcomes(parents, 6, []) == ([(1, False)], [(1, False)])
+    assert verification_outcomes(None, 4, [0, 1]) == ([(1, True), (2, True), (3, False)], [])
+    # c alone, cut from the tree above: still the proposer's second guess
+    assert verification_outcomes(None, 1, [0], ranks=[1]) == ([], [(1, True)])
 
-    def acceptance_after(path: list[int]) -> np.ndarray:
+    def acceptance_after(path: list[int]) -> AcceptanceTracker:
         policy = AdaptiveSpeculation()
-        item = SimpleNamespace(request=request("tree", temperature=0.0), num_draft_tokens=5,
-                               draft_parents=parents)
-        kept = SimpleNamespace(token_ids=[7] * (len(path) + 1), kept_drafts=path)
+        item = SimpleNamespace(request=request("tree", temperature=0.0), num_draft_tokens=6,
+                               draft_token_ids=[10, 11, 12, 13, 14, 15], draft_parents=parents)
+        kept = SimpleNamespace(token_ids=[7] * (len(path) + 1), accepted_drafts=path)
         for _ in range(20):
-            policy.observe_step(SimpleNamespace(num_batched_tokens=6, sampling=[item]), [kept],
-                                [5], 0.01, 0.011, 0.001)
-        return policy.acceptance.conditional_acceptance("tree")
+            policy.observe_step(SimpleNamespace(num_batched_tokens=7, sampling=[item]), [kept],
+                                [6], 0.01, 0.011, 0.001)
+        return policy.acceptance
 
     to_leaf, cut_short = acceptance_after([0, 1]), acceptance_after([2, 3])
-    assert to_leaf[:2].min() > 0.9 and cut_short[:2].min() > 0.9
-    assert cut_short[2] < 0.2 < 0.5 <= to_leaf[2]
+    assert to_leaf.conditional_acceptance("tree")[:2].min() > 0.9
+    assert cut_short.conditional_acceptance("tree")[2] < 0.2 < 0.5 <= \
+        to_leaf.conditional_acceptance("tree")[2]
+    # a's path fails (the first guess at depth 1 is not kept), c's is: c's chance comes from b_1
+    assert cut_short.conditional_acceptance("tree")[0] < 0.1
+    assert 0.3 < cut_short.sibling_acceptance[0] < 0.7  # c kept, f not, every time
+
+
+def test_a_tree_is_valued_and_cut_node_by_node():
+    """Each node's chance is its parent's times its own (a_depth for a first child, b_rank for a
+    later sibling); the policy's cut keeps the likeliest nodes, which form a tree, and the cut is
+    observed with the proposer's ranks: learning that second guesses pay survives cutting."""
+    from types import SimpleNamespace
+
+    from engine.step_layout import DraftProposal
+
+    tracker = AcceptanceTracker()
+    parents = [-1, 0, -1, 2, 3, 2]
+    a, b = tracker.conditional_acceptance("fresh"), tracker.sibling_acceptance
+    expected = np.empty(6)
+    expected[0] = a[0]
+    expected[1] = expected[0] * a[1]
+    expected[2] = b[0]
+    expected[3] = expected[2] * a[1]
+    expected[4] = expected[3] * a[2]
+    expected[5] = expected[2] * b[0]
+    assert np.allclose(tracker.tree_chances("fresh", parents), expected)
+
+    policy = AdaptiveSpeculation()
+    proposal = DraftProposal([10, 11, 12, 13, 14, 15], None, parents)
+    item = SimpleNamespace(request=request("r", temperature=0.0))
+    for _ in range(30):
+        # the proposer's second guess c is always the one kept; the policy sends the 2 likeliest
+        cut = policy.keep_best("r", proposal, 2)
+        kept_c = [j for j, token in enumerate(cut.token_ids) if token == 12]
+        item.draft_token_ids, item.draft_parents = cut.token_ids, cut.parents
+        item.num_draft_tokens = len(cut.token_ids)
+        kept = SimpleNamespace(token_ids=[7] * (len(kept_c) + 1), accepted_drafts=kept_c)
+        policy.observe_step(SimpleNamespace(num_batched_tokens=3, sampling=[item]), [kept],
+                            [2], 0.01, 0.011, 0.001)
+    chances = policy.acceptance.tree_chances("r", parents)
+    # b_1 also counts f, c's second child, never kept when it was sent; a's chance is retested
+    # now and then (untested, the request's counts decay back toward the engine's)
+    assert chances[2] > 0.5 and chances[2] > chances[0]
+    assert 12 in policy.keep_best("r", proposal, 1).token_ids
+    assert policy.keep_best("r", proposal, 6) is proposal
+    assert policy.keep_best("r", DraftProposal([1, 2, 3]), 2).token_ids == [1, 2]

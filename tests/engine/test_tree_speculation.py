@@ -174,26 +174,47 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path):
     assert two_sample_chi2_pvalue(plain, speculative) > 1e-4, (plain, speculative)
 
 
-def test_adaptive_speculation_sizes_trees_and_stays_lossless(checkpoint, plain):
+@pytest.mark.parametrize("truth_first", [False, True])
+def test_adaptive_speculation_values_trees_node_by_node_and_stays_lossless(checkpoint, plain,
+                                                                           truth_first):
     """With "adaptive", the policy picks each tree's node count from the step costs (pinned here,
-    so the test does not depend on this machine's timings) and acceptance; the tree is cut to a
-    depth-first prefix of that many nodes. Tokens stay identical, and trees of several sizes run."""
+    so the test does not depend on this machine's timings) and each node's chance of being kept,
+    and cuts the tree to its likeliest nodes. Tokens stay identical either way.
+
+    The truth a later sibling, behind a decoy and its child: the policy learns that second
+    guesses pay and first ones do not, keeps the true nodes, and most drafts are accepted (a
+    depth-first prefix would have to take each decoy first). The truth the main chain, the decoys
+    its later siblings: it learns the side branches never pay and cuts them, sending chains."""
     params = [greedy()] * len(PROMPTS)
     expected = token_ids(plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params))
     llm = LLM(checkpoint, dtype="float64", max_model_len=128, num_kv_blocks=64,
               speculative_config={"method": "ngram", "num_speculative_tokens": 9,
                                   "draft_tree": True, "adaptive": True})
-    llm.engine.adaptive.cost = PinnedCost(per_token=0.001)
-    llm.engine.proposer = OracleTreeProposer({tuple(p): out for p, out in zip(PROMPTS, expected)},
-                                             truth_first=True)
-    sizes = []
+    # rows cheap enough that a guess kept 3 times in 10 pays: the first trees test both branches
+    llm.engine.adaptive.cost = PinnedCost(per_token=0.0002)
+    oracle = OracleTreeProposer({tuple(p): out for p, out in zip(PROMPTS, expected)},
+                                truth_first=truth_first)
+    llm.engine.proposer = oracle
+    sent = []
     update = llm.engine.scheduler.update_draft_token_ids
 
     def recording(drafts):
-        sizes.extend(len(p.token_ids) for p in drafts.proposals.values() if p.is_tree)
+        sent.extend(p for p in drafts.proposals.values() if p.token_ids)
         update(drafts)
 
     llm.engine.scheduler.update_draft_token_ids = recording
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     assert token_ids(outs) == expected
-    assert sizes and max(sizes) <= 9 and len(set(sizes)) > 1, sizes
+    assert oracle.num_trees > 0 and all(len(p.token_ids) <= 9 for p in sent)
+    accepted = sum(o.spec_stats.num_accepted_draft_tokens for o in outs)
+    total = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert len({len(p.token_ids) for p in sent}) > 1
+    if truth_first:
+        # trees only until the first verification is observed (two proposals per request), then
+        # the main chain alone
+        assert sum(p.is_tree for p in sent) <= 2 * len(PROMPTS)
+        assert accepted > 0.5 * total, accepted
+    else:
+        # the true nodes, each the proposer's second guess: kept and sent (as a chain, once the
+        # decoys are cut), where a depth-first prefix would have to send each decoy first
+        assert accepted > 0.4 * total, accepted
