@@ -11,7 +11,8 @@ own tokens only; "suffix+cache" also from earlier requests' outputs, which here 
 prompt's previous repeat: the case of a repeated or agentic request, not of a fresh one. With
 --tree-budget N, every method that drafts trees also runs as "<method> tree" with N nodes: chain
 against tree, τ counting tokens per target pass either way. With --adaptive, every chain also runs
-as "<method> adaptive": k chosen per step (at most the chain's) from measured costs and acceptance.
+as "<method> adaptive": k chosen per step (at most the chain's) from measured costs and acceptance
+(and each tree as "<method> tree adaptive": its node count, and which nodes, chosen alike).
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ def method_configs(args: argparse.Namespace) -> dict[str, dict | None]:
         # each chain beside its tree: the same method drafting several guesses, verified together
         for name, config in chains:
             if config["method"] in TREE_METHODS:
-                configs[f"{name} tree"] = {**config, "draft_tree": True,
-                                           "num_speculative_tokens": args.tree_budget}
+                tree = {**config, "draft_tree": True, "num_speculative_tokens": args.tree_budget}
+                configs[f"{name} tree"] = tree
+                if args.adaptive:
+                    configs[f"{name} tree adaptive"] = {**tree, "adaptive": True}
     return configs
 
 
