@@ -65,10 +65,7 @@ def tree_rejection_sample_reference(
     _validate_parents(draft_parents, cu_num_draft_tokens, draft_token_ids.numel())
     device = target_argmax.device
     batch = cu_num_draft_tokens.numel()
-    output_token_ids = torch.full((batch, max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
-                                  dtype=torch.int64, device=device)  # [batch, max_spec_len + 1]
-    accepted_drafts = torch.full((batch, max_spec_len), -1, dtype=torch.int64,
-                                 device=device)  # [batch, max_spec_len]
+    output_token_ids, accepted_drafts = empty_tree_outputs(batch, max_spec_len, device)
     if batch == 0:
         return output_token_ids, accepted_drafts
 
@@ -128,6 +125,15 @@ def tree_rejection_sample_reference(
                                              next_token_ids[random])
     output_token_ids.scatter_(1, num_accepted[:, None], next_token_ids[:, None])
     return output_token_ids, accepted_drafts
+
+
+def empty_tree_outputs(batch: int, max_spec_len: int,
+                       device: torch.device) -> tuple[Tensor, Tensor]:
+    """The outputs before any request is walked: output_token_ids [batch, max_spec_len + 1] all
+    placeholders, accepted_drafts [batch, max_spec_len] all -1."""
+    return (torch.full((batch, max_spec_len + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64,
+                       device=device),
+            torch.full((batch, max_spec_len), -1, dtype=torch.int64, device=device))
 
 
 def _reject(

@@ -20,8 +20,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from kernels.rejection_reference import FIXED_POINT_BITS, PLACEHOLDER_TOKEN_ID
+from kernels.rejection_reference import FIXED_POINT_BITS
 from kernels.rejection_triton import _FIXED_POINT_SCALE
+from kernels.tree_rejection import empty_tree_outputs
 
 # Widest vocab tile one loop iteration handles; tests lower it to cover draws across tiles.
 MAX_BLOCK_SIZE = 2048
@@ -200,10 +201,7 @@ def tree_rejection_sample(
     assert draft_parents.shape[0] == num_draft_tokens
     assert target_argmax.shape[0] == num_draft_tokens + batch
     device = target_argmax.device
-    output_token_ids = torch.full((batch, max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
-                                  dtype=torch.int64, device=device)  # [batch, max_spec_len + 1]
-    accepted_drafts = torch.full((batch, max_spec_len), -1, dtype=torch.int64,
-                                 device=device)  # [batch, max_spec_len]
+    output_token_ids, accepted_drafts = empty_tree_outputs(batch, max_spec_len, device)
     if batch == 0:
         return output_token_ids, accepted_drafts
     vocab_size = target_probs.shape[1] if has_target_probs else 1
