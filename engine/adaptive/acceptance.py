@@ -63,7 +63,18 @@ class _PositionCounts:
         self.accepted *= decay
         self.rejected *= decay
         for position, kept in outcomes:
+            if kept and position > MAX_POSITIONS:
+                continue  # as in add_chain: a kept draft past the last tracked position adds nothing
             (self.accepted if kept else self.rejected)[min(position, MAX_POSITIONS) - 1] += 1.0
+
+    def add_chain(self, num_draft_tokens: int, num_accepted: int, decay: float) -> None:
+        """A chain's verification (positions 1..a kept, a + 1 not if a < k) in slices: what add()
+        records for it, without building the outcomes every step of every request."""
+        self.accepted *= decay
+        self.rejected *= decay
+        self.accepted[:min(num_accepted, MAX_POSITIONS)] += 1.0
+        if num_accepted < num_draft_tokens:
+            self.rejected[min(num_accepted + 1, MAX_POSITIONS) - 1] += 1.0
 
     def estimate_toward(self, prior: np.ndarray, prior_weight: float) -> np.ndarray:
         """[MAX_POSITIONS] a_j = (accepted_j + w prior_j) / (tested_j + w)."""
@@ -139,14 +150,18 @@ class AcceptanceTracker:
         """One verification of `num_draft_tokens` drafts, a chain or the tree `parents`, that kept
         `num_accepted` of them (of a tree: the first of the path `accepted_drafts`); `ranks`: the
         drafts' ranks in the proposer's tree when the policy cut this one from it."""
-        accepted = (range(num_accepted) if parents is None
+        counts = self._requests.setdefault(request_id, _PositionCounts())
+        self._engine_estimate = None
+        if parents is None and ranks is None:  # the common case, every step of every request
+            counts.add_chain(num_draft_tokens, num_accepted, REQUEST_DECAY)
+            self._engine.add_chain(num_draft_tokens, num_accepted, ENGINE_DECAY)
+            return
+        accepted = (list(range(num_accepted)) if parents is None
                     else list(accepted_drafts or ())[:num_accepted])
         first_children, later_siblings = verification_outcomes(parents, num_draft_tokens,
-                                                               list(accepted), ranks)
-        self._requests.setdefault(request_id, _PositionCounts()).add(first_children,
-                                                                     REQUEST_DECAY)
+                                                               accepted, ranks)
+        counts.add(first_children, REQUEST_DECAY)
         self._engine.add(first_children, ENGINE_DECAY)
-        self._engine_estimate = None
         if later_siblings:
             self._siblings.add(later_siblings, ENGINE_DECAY)
             self._sibling_estimate = None

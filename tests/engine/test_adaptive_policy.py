@@ -373,3 +373,20 @@ def test_a_tree_is_valued_and_cut_node_by_node():
     assert 12 in policy.keep_best("r", proposal, 1).token_ids
     assert policy.keep_best("r", proposal, 6) is proposal
     assert policy.keep_best("r", DraftProposal([1, 2, 3]), 2).token_ids == [1, 2]
+
+
+def test_a_chain_is_recorded_as_the_tree_of_one_branch():
+    """The chain fast path (slices) records what the general tree path records for a chain, past
+    the last tracked position too."""
+    from engine.adaptive.acceptance import MAX_POSITIONS, _PositionCounts
+    from engine.draft_tree import verification_outcomes
+
+    for num_drafts in (1, 3, 8, MAX_POSITIONS, MAX_POSITIONS + 5):
+        for num_accepted in range(num_drafts + 1):
+            chain, tree = _PositionCounts(), _PositionCounts()
+            for counts in (chain, tree):  # something to decay first
+                counts.add_chain(4, 2, 0.9)
+            chain.add_chain(num_drafts, num_accepted, 0.8)
+            tree.add(verification_outcomes(None, num_drafts, list(range(num_accepted)))[0], 0.8)
+            assert np.array_equal(chain.accepted, tree.accepted)
+            assert np.array_equal(chain.rejected, tree.rejected)
