@@ -41,6 +41,8 @@ logger = logging.getLogger("specserve.server")
 
 # how often the watchdog checks that the engine process is alive
 WATCHDOG_SECONDS = 0.2
+# how long shutdown() tries to hand the engine its Shutdown message before killing it instead
+SHUTDOWN_SEND_SECONDS = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -124,8 +126,11 @@ class EngineClient:
         for task in self._tasks:
             task.cancel()
         if self._process is not None and self._process.is_alive():
-            with contextlib.suppress(zmq.ZMQError):
-                await self._to_engine.send(encode(Shutdown()))
+            # NOTE: bounded: a PUSH socket with no peer (an engine that died, or failed to start,
+            # before connecting) holds a send forever, which hung a failed start-up
+            with contextlib.suppress(zmq.ZMQError, TimeoutError):
+                await asyncio.wait_for(self._to_engine.send(encode(Shutdown())),
+                                       SHUTDOWN_SEND_SECONDS)
             await asyncio.to_thread(self._process.join, timeout)
             if self._process.is_alive():
                 self._process.kill()

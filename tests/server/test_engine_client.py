@@ -89,3 +89,33 @@ def test_killed_engine_fails_in_flight_requests(tiny_llama):
         with pytest.raises(EngineDeadError):
             await client.add_request("late", [1, 2], GREEDY)
     run_client(tiny_llama, body, max_model_len=512, num_kv_blocks=64)
+
+
+def test_shutdown_ends_when_the_engine_never_connected(tiny_llama):
+    """A failed start-up can leave a process alive that never connected its socket (it dies while
+    shutdown() looks): handing it the Shutdown message must not wait for a peer forever, it is
+    killed instead. (A bare send on the PUSH socket hung `specserve serve` on a bad head folder.)"""
+
+    class NeverConnected:
+        """Alive until killed, like an engine process stuck before its first connect."""
+
+        def __init__(self) -> None:
+            self.killed = False
+
+        def is_alive(self) -> bool:
+            return not self.killed
+
+        def join(self, timeout: float | None = None) -> None:
+            pass
+
+        def kill(self) -> None:
+            self.killed = True
+
+    async def main():
+        client = EngineClient(EngineArgs(model=tiny_llama))
+        client._to_engine.bind(f"ipc://{client._socket_dir}/input")
+        client._process = process = NeverConnected()
+        await asyncio.wait_for(client.shutdown(timeout=0.1), 30)
+        assert process.killed
+
+    asyncio.run(main())
