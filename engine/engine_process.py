@@ -125,5 +125,6 @@ def _delta(update: RequestUpdate) -> TokenDelta:
         stop_reason=update.stop_reason,
         spec_stats=None if update.spec_stats is None else update.spec_stats.as_dict(),
         num_cached_tokens=update.num_cached_tokens,
+        error=update.error,
     )
 

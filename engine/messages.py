@@ -68,6 +68,8 @@ class TokenDelta:
     spec_stats: dict[str, Any] | None = None
     # prompt tokens found in the prefix cache, on the last delta
     num_cached_tokens: int = 0
+    # with finish_reason "error": why the engine ended this request (the others went on)
+    error: str | None = None
 
 
 @dataclass

@@ -32,6 +32,9 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     # the client went away or the front end cancelled it
     ABORT = "abort"
+    # the step failed for this request alone (its grammar, its drafts, non-finite logits); the
+    # request ends with an error and the engine goes on (RequestUpdate.error says why)
+    ERROR = "error"
 
 
 @dataclass

@@ -74,6 +74,9 @@ class SampledTokens:
     logprobs: list[TokenLogprobs] | None = None
     # of a tree: the accepted drafts' indices (its path); None: the first len(token_ids) - 1 drafts
     accepted_drafts: list[int] | None = None
+    # set when the request could not be sampled (non-finite logits, a broken grammar): no tokens,
+    # and the engine ends the request with this message (FinishReason.ERROR)
+    error: str | None = None
 
     @property
     def kept_drafts(self) -> list[int]:
@@ -96,6 +99,8 @@ class RequestUpdate:
     spec_stats: SpecStats | None = None
     # prompt tokens whose K/V came from the prefix cache, on its final update
     num_cached_tokens: int = 0
+    # why the request failed, with finish_reason ERROR
+    error: str | None = None
 
 
 class Scheduler:
