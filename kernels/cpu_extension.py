@@ -11,7 +11,8 @@ OpenMP: the library links `libgomp.so.1`, the soname torch's own runtime already
 loops share torch's thread pool instead of starting a second one that would fight it for the cores.
 
 Without a C++ compiler (or with SPECSERVE_CPU_KERNELS=0) nothing is built and callers keep their torch
-reference path.
+reference path. With SPECSERVE_REQUIRE_CPU_KERNELS=1 (CI sets it) a kernel that cannot be built is an
+error instead, so the tests of the kernels fail rather than skip on a machine without a compiler.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def cpu_kernels_enabled() -> bool:
     return os.environ.get("SPECSERVE_CPU_KERNELS", "1") != "0"
 
 
+def cpu_kernels_required() -> bool:
+    """SPECSERVE_REQUIRE_CPU_KERNELS=1: a kernel that cannot be built raises (CI), never falls back."""
+    return os.environ.get("SPECSERVE_REQUIRE_CPU_KERNELS", "0") not in ("", "0")
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """A CPU kernel could not be built although SPECSERVE_REQUIRE_CPU_KERNELS asks for it."""
+
+
 def _cache_root() -> Path:
     """SPECSERVE_CACHE_DIR, else ~/.cache/specserve: where the engine caches converted models too."""
     root = os.environ.get("SPECSERVE_CACHE_DIR") or "~/.cache/specserve"
@@ -57,6 +67,10 @@ def load_cpu_library(source_name: str) -> bool:
     if not cpu_kernels_enabled():
         return False
     if shutil.which(os.environ.get("CXX", "c++")) is None:
+        if cpu_kernels_required():
+            raise CpuKernelUnavailable(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r}) to "
+                                       f"build CPU kernel {source_name}, and "
+                                       f"SPECSERVE_REQUIRE_CPU_KERNELS is set")
         logger.warning("no C++ compiler: CPU kernel %s not built, torch ops used instead", source_name)
         return False
     from torch.utils import cpp_extension
@@ -71,6 +85,9 @@ def load_cpu_library(source_name: str) -> bool:
                            extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
                            build_directory=str(build_dir), is_python_module=False, verbose=False)
     except Exception as error:  # a broken toolchain must not take the engine down
+        if cpu_kernels_required():
+            raise CpuKernelUnavailable(f"CPU kernel {source_name} failed to build, and "
+                                       f"SPECSERVE_REQUIRE_CPU_KERNELS is set") from error
         logger.warning("CPU kernel %s failed to build (%s); torch ops used instead", source_name,
                        str(error).strip().splitlines()[-1] if str(error).strip() else error)
         return False
