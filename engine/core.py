@@ -11,6 +11,7 @@ import torch
 from engine.adaptive import AdaptiveSpeculation
 from engine.adaptive.calibration import calibrate_verify_cost
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.failures import run_isolated
 from engine.messages import StepStats
 from engine.proposers import Proposer, build_proposer
 from engine.request import Request
@@ -25,6 +26,7 @@ from engine.scheduler import (
     SchedulerOutput,
 )
 from engine.spec_config import SpeculativeConfig
+from engine.step_isolation import propose_isolated, sample_isolated
 from engine.step_layout import DraftProposal, DraftTokens, StepLayout
 from engine.structured import GrammarCompiler, GrammarState
 from engine.worker import Worker
@@ -123,84 +125,118 @@ class EngineCore:
         num_prompt_tokens = _num_prompt_tokens(scheduled)
         pass_start = time.perf_counter()
         out = self.worker.execute(scheduled)
-        sampled = self.sampler(out.logits, scheduled.layout)
+        sampled = sample_isolated(self.sampler, out.logits, scheduled.layout)
         if scheduled.layout.draft_parents is not None:
             self.worker.keep_accepted_paths(scheduled, sampled)
         target_pass_seconds = time.perf_counter() - pass_start
+        failures: dict[str, str] = {}
         if self.proposer is not None and self.proposer.needs_committed_hidden:
-            self._record_target_hidden(scheduled, sampled, out.token_hidden)
+            failures = self._record_target_hidden(scheduled, sampled, out.token_hidden)
         updates = self.scheduler.commit(scheduled, sampled)
+        self._fail_after_commit(updates, failures)
         verified = time.perf_counter()
-        choices = self._propose_drafts(scheduled.layout, sampled, out.hidden)
+        choices, failures = self._propose_drafts(scheduled.layout, sampled, out.hidden)
+        self._fail_after_commit(updates, failures)
         self._account(scheduled, sampled, choices, start, verified, updates, target_pass_seconds)
         self.last_step_stats = self._step_stats(scheduled.sampling, sampled, choices, updates,
                                                 num_prompt_tokens, start, verified)
         return updates
 
     def _record_target_hidden(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
-                              token_hidden: torch.Tensor) -> None:
+                              token_hidden: torch.Tensor) -> dict[str, str]:
         """Before commit: each request's rows of committed tokens (a prefill chunk whole; of a
-        verification, the known token and the accepted drafts), from the position they start at."""
-        kept = iter(sampled)
+        verification, the known token and the accepted drafts), from the position they start at.
+        Returns {request_id: why} for the requests whose recording raised (each then fails alone)."""
+        failures: dict[str, str] = {}
+        kept_tokens = iter(sampled)
         for item, row in zip(scheduled.scheduled, scheduled.layout.token_starts):
             num_known = item.num_known_tokens
             rows = token_hidden[row:row + num_known]
             if item.is_sampling:
-                accepted = next(kept).kept_drafts
+                kept = next(kept_tokens)
+                if kept.error is not None:
+                    continue
+                accepted = kept.kept_drafts
                 if item.draft_parents is None:
                     rows = token_hidden[row:row + num_known + len(accepted)]
                 elif accepted:  # a tree's accepted path: rows after the known ones, not in a run
                     path = [row + num_known + draft for draft in accepted]
                     rows = torch.cat([rows, token_hidden[torch.tensor(path,
                                                                       device=rows.device)]])
-            self.proposer.record_target_hidden(
+            error = run_isolated(lambda: self.proposer.record_target_hidden(
                 item.request, item.request.num_computed_tokens, rows,
-                self.scheduler.block_manager.block_table(item.request.request_id))
+                self.scheduler.block_manager.block_table(item.request.request_id)),
+                item.request.request_id, "recording the target's features")
+            if error is not None:
+                failures[item.request.request_id] = error
+        return failures
 
     def _propose_drafts(self, layout: StepLayout, sampled: list[SampledTokens],
-                        hidden: torch.Tensor) -> list[DraftChoice]:
+                        hidden: torch.Tensor) -> tuple[list[DraftChoice], dict[str, str]]:
         """Drafts for the NEXT step, from the tokens just committed (so the scheduler can budget them);
         returns the k chosen for each request drafted for.
 
         Only requests that sampled this step get new drafts: the others' tokens did not change, so
         their pending drafts still stand. Each gets the target's hidden state at the row that
         produced its newest token (of a chain, row a of its 1 + k rows after a accepted drafts; of
-        a tree, the row after the last draft on its accepted path).
+        a tree, the row after the last draft on its accepted path). Also returns {request_id: why}
+        for the requests whose drafting raised on their own (they fail alone).
         """
         if self.proposer is None:
-            return []
+            return [], {}
         row_of = {item.request.request_id: layout.kept_rows(index, kept.kept_drafts)[-1]
                   for index, (item, kept) in enumerate(zip(layout.sampling, sampled))}
         requests = [r for r in self.scheduler.decoding if r.request_id in row_of]
         if not requests:
-            return []
+            return [], {}
         k = self.speculative_config.num_speculative_tokens
         caps = [self.scheduler.draft_budget(r, k) for r in requests]
         target_hidden = hidden[torch.tensor([row_of[r.request_id] for r in requests],
                                             device=hidden.device)]
         if self.adaptive is None:
-            proposals = self._propose(requests, caps, target_hidden)
+            proposals, failures = self._propose(requests, caps, target_hidden)
         elif self.proposer.drafts_for_free:
             # draft first: the policy then weighs the drafts that exist, and trims them
-            proposals = self._propose(requests, caps, target_hidden)
+            proposals, failures = self._propose(requests, caps, target_hidden)
             caps = self._choose_ks(requests, [len(p.token_ids) for p in proposals],
                                    [p.parents for p in proposals])
             proposals = [self.adaptive.keep_best(r.request_id, p, cap)
                          for r, p, cap in zip(requests, proposals, caps)]
         else:
             caps = self._choose_ks(requests, caps)
-            proposals = self._propose(requests, caps, target_hidden)
+            proposals, failures = self._propose(requests, caps, target_hidden)
         self.scheduler.update_draft_token_ids(
             DraftTokens({r.request_id: p for r, p in zip(requests, proposals)}))
-        return [DraftChoice(r, cap) for r, cap in zip(requests, caps)]
+        return [DraftChoice(r, cap) for r, cap in zip(requests, caps)], failures
 
-    def _propose(self, requests: list[Request], caps: list[int],
-                 target_hidden: torch.Tensor) -> list[DraftProposal]:
+    def _propose(self, requests: list[Request], caps: list[int], target_hidden: torch.Tensor,
+                 ) -> tuple[list[DraftProposal], dict[str, str]]:
+        """Drafts, and {request_id: why} for the requests whose drafting raised on their own."""
+        return propose_isolated(self._propose_batch, requests, caps, target_hidden)
+
+    def _propose_batch(self, requests: list[Request], caps: list[int],
+                       target_hidden: torch.Tensor) -> list[DraftProposal]:
         """The proposer's drafts, each cut where its request's grammar (if any) rejects it."""
         proposals = self.proposer.propose(requests, caps, target_hidden)
         if any(r.grammar is not None for r in requests):
             proposals = cut_drafts_at_grammar(requests, proposals)
         return proposals
+
+    def _fail_after_commit(self, updates: list[RequestUpdate], failures: dict[str, str]) -> None:
+        """End the requests that failed after their tokens were committed: each keeps the tokens
+        it emitted this step, and its update now ends it with the error."""
+        updates_by_id = {update.request_id: update for update in updates}
+        for request_id, error in failures.items():
+            ended = self.scheduler.fail(request_id, error)
+            if ended is None:
+                continue  # it finished in this step's commit anyway
+            update = updates_by_id.get(request_id)
+            if update is None:  # mid-prefill: nothing emitted this step
+                updates.append(ended)
+            else:
+                update.finish_reason, update.stop_reason = ended.finish_reason, None
+                update.error, update.spec_stats = error, ended.spec_stats
+                update.num_cached_tokens = ended.num_cached_tokens
 
     def _choose_ks(self, requests: list[Request], caps: list[int],
                    trees: list[list[int] | None] | None = None) -> list[int]:
@@ -247,7 +283,7 @@ class EngineCore:
             num_k_choices=len(choices), num_speculating_choices=sum(c.k > 0 for c in choices),
             sum_chosen_k=sum(c.k for c in choices))
         for item, kept in zip(items, sampled):
-            if not item.num_draft_tokens:
+            if not item.num_draft_tokens or kept.error is not None:
                 continue
             num_accepted = len(kept.token_ids) - 1
             stats.num_drafts += 1
@@ -265,7 +301,8 @@ class EngineCore:
         for update in updates:
             if update.finish_reason is not None:
                 if self.proposer is not None:
-                    self.proposer.free(update.request_id)
+                    run_isolated(lambda: self.proposer.free(update.request_id), update.request_id,
+                                 "freeing its drafter state")
                 if self.adaptive is not None:
                     self.adaptive.free(update.request_id)
 

@@ -125,6 +125,7 @@ class LLM:
         completion.text = tracker.text
         completion.finish_reason, completion.stop_reason = tracker.finish_reason, tracker.stop_reason
         completion.spec_stats = tracker.spec_stats
+        completion.error = completion.error or update.error
         return finished
 
     @staticmethod

@@ -14,7 +14,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    # "stop", "length" or "abort"; None while running
+    # "stop", "length", "abort" or "error" (the engine could not serve it: see `error`); None while
+    # running
     finish_reason: str | None = None
     # the stop token id or stop string that ended it, if one did
     stop_reason: int | str | None = None
@@ -22,6 +23,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     # this completion's speculation: drafts proposed and accepted, α, τ
     spec_stats: SpecStats | None = None
+    # why the engine ended it, with finish_reason "error" (the other requests went on)
+    error: str | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:

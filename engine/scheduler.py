@@ -15,6 +15,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import KVCacheSpec, SchedulerConfig
+from engine.failures import run_isolated
 from engine.request import FinishReason, Request, RequestStatus, TokenLogprobs
 from engine.spec_stats import SpecStats
 from engine.step_layout import DraftProposal, DraftTokens, StepLayout
@@ -142,6 +143,15 @@ class Scheduler:
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> RequestUpdate | None:
+        return self._end(request_id, FinishReason.ABORT)
+
+    def fail(self, request_id: str, error: str) -> RequestUpdate | None:
+        """End a request the step could not serve (its grammar, drafts or logits broke): its blocks
+        are freed and its update carries `error`; the other requests go on."""
+        return self._end(request_id, FinishReason.ERROR, error)
+
+    def _end(self, request_id: str, reason: FinishReason,
+             error: str | None = None) -> RequestUpdate | None:
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -149,10 +159,9 @@ class Scheduler:
             self.waiting.remove(request)
         else:
             self.running.remove(request)
-        self._finish(request, FinishReason.ABORT)
-        return RequestUpdate(request_id, [], None, FinishReason.ABORT,
-                             spec_stats=request.spec_stats,
-                             num_cached_tokens=request.num_cached_tokens)
+        self._finish(request, reason)
+        return RequestUpdate(request_id, [], None, reason, spec_stats=request.spec_stats,
+                             num_cached_tokens=request.num_cached_tokens, error=error)
 
     def update_draft_token_ids(self, drafts: DraftTokens) -> None:
         """Take the drafts proposed for the next step; an empty proposal clears the request's draft.
@@ -249,43 +258,53 @@ class Scheduler:
 
         K/V of the accepted drafts is already in the cache, so num_computed_tokens moves past them;
         the slots of rejected drafts are simply overwritten later. A stop condition met inside an
-        accepted block ends the request there and drops the rest of the block.
+        accepted block ends the request there and drops the rest of the block. A request whose
+        sampling failed, or whose commit raises (its grammar refuses the tokens), ends with an error
+        alone.
         """
         updates: list[RequestUpdate] = []
         samples = iter(sampled)
         for item in output.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_known_tokens
             if not item.is_sampling:
+                request.num_computed_tokens += item.num_known_tokens
                 self._cache_full_blocks(request)
                 continue
             kept = next(samples)
-            num_accepted = len(kept.token_ids) - 1
-            request.num_computed_tokens += num_accepted
-            # NOTE: the step verified the draft (or what fit of it); it is spent either way
-            self.drafts.pop(request.request_id, None)
-            update = RequestUpdate(request.request_id, [], [] if kept.logprobs else None)
-            for position, token_id in enumerate(kept.token_ids):
-                request.output_token_ids.append(token_id)
-                update.new_token_ids.append(token_id)
-                if kept.logprobs:
-                    request.output_logprobs.append(kept.logprobs[position])
-                    update.new_logprobs.append(kept.logprobs[position])
-                update.finish_reason, update.stop_reason = self._check_stop(request, token_id)
-                if update.finish_reason is not None:
-                    break
-            if request.grammar is not None:
-                request.grammar.commit(update.new_token_ids)
-            self._cache_full_blocks(request)
-            request.spec_stats.observe(item.num_draft_tokens, num_accepted,
-                                       len(update.new_token_ids))
-            updates.append(update)
-            if update.finish_reason is not None:
-                self.running.remove(request)
-                self._finish(request, update.finish_reason, update.stop_reason)
-                update.spec_stats = request.spec_stats
-                update.num_cached_tokens = request.num_cached_tokens
+            error = kept.error or run_isolated(
+                lambda: updates.append(self._commit_sampled(item, kept)), request.request_id,
+                "commit")
+            if error is not None:
+                updates.append(self.fail(request.request_id, error))
         return updates
+
+    def _commit_sampled(self, item: ScheduledRequest, kept: SampledTokens) -> RequestUpdate:
+        request = item.request
+        request.num_computed_tokens += item.num_known_tokens
+        num_accepted = len(kept.token_ids) - 1
+        request.num_computed_tokens += num_accepted
+        # NOTE: the step verified the draft (or what fit of it); it is spent either way
+        self.drafts.pop(request.request_id, None)
+        update = RequestUpdate(request.request_id, [], [] if kept.logprobs else None)
+        for position, token_id in enumerate(kept.token_ids):
+            request.output_token_ids.append(token_id)
+            update.new_token_ids.append(token_id)
+            if kept.logprobs:
+                request.output_logprobs.append(kept.logprobs[position])
+                update.new_logprobs.append(kept.logprobs[position])
+            update.finish_reason, update.stop_reason = self._check_stop(request, token_id)
+            if update.finish_reason is not None:
+                break
+        if request.grammar is not None:
+            request.grammar.commit(update.new_token_ids)
+        self._cache_full_blocks(request)
+        request.spec_stats.observe(item.num_draft_tokens, num_accepted, len(update.new_token_ids))
+        if update.finish_reason is not None:
+            self.running.remove(request)
+            self._finish(request, update.finish_reason, update.stop_reason)
+            update.spec_stats = request.spec_stats
+            update.num_cached_tokens = request.num_cached_tokens
+        return update
 
     @property
     def decoding(self) -> list[Request]:

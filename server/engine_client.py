@@ -57,6 +57,11 @@ class RequestRejectedError(ValueError):
     """The engine refused a request (its message says why); the server answers 400."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended one request mid-generation with an error (its grammar, its drafts or its
+    logits broke) and went on with the others; the server answers 500, or an error event."""
+
+
 class EngineClient:
     def __init__(self, args: EngineArgs, on_stats: Callable[[StepStats], None] | None = None,
                  on_dead: Callable[[], None] | None = None) -> None:
@@ -147,7 +152,7 @@ class EngineClient:
                           params: SamplingParams, cache_salt: str | None = None,
                           ) -> asyncio.Queue[TokenDelta | Exception]:
         """Queue of this request's deltas; it ends with a delta carrying finish_reason, or an
-        exception (RequestRejectedError, EngineDeadError). Raises RequestRejectedError when the
+        exception (RequestRejectedError, RequestFailedError, EngineDeadError). Raises RequestRejectedError when the
         request cannot be encoded for the engine. `cache_salt` is the request's tenant (None: no
         tenant, shares nothing): only requests of one tenant share state that outlives a request."""
         if not self.is_alive:
@@ -193,7 +198,13 @@ class EngineClient:
                         continue  # aborted here already
                     if delta.finish_reason is not None:
                         del self._queues[delta.request_id]
-                    queue.put_nowait(delta)
+                    if delta.error is None:
+                        queue.put_nowait(delta)
+                        continue
+                    # NOTE: tokens it emitted before failing still reach the client, then the error
+                    if delta.new_token_ids:
+                        queue.put_nowait(dataclasses.replace(delta, finish_reason=None, error=None))
+                    queue.put_nowait(RequestFailedError(delta.error))
                 if message.stats is not None and self.on_stats is not None:
                     self.on_stats(message.stats)
             elif isinstance(message, RequestRejected):

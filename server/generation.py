@@ -21,7 +21,12 @@ from engine.output_processor import CompletionTracker, StreamPiece
 from engine.sampling_params import SamplingParams, child_seed
 from engine.spec_stats import SpecStats
 from server.api_responses import random_id
-from server.engine_client import EngineClient, EngineDeadError, RequestRejectedError
+from server.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    RequestFailedError,
+    RequestRejectedError,
+)
 from server.errors import ApiError
 from server.metrics import ServerMetrics
 
@@ -237,6 +242,9 @@ class Generation:
         self._end_waiting(choice)
         if isinstance(error, RequestRejectedError):
             return ApiError(400, str(error))
+        if isinstance(error, RequestFailedError):
+            return ApiError(500, f"the engine could not finish this request: {error}",
+                            code="request_failed")
         return ApiError(503, str(error), type="ServiceUnavailableError")
 
     def _end_waiting(self, choice: Choice) -> None:

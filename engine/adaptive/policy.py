@@ -192,7 +192,7 @@ class AdaptiveSpeculation:
         if chosen_ks:
             self.cost.observe_draft(max(chosen_ks), draft_seconds)
         for item, kept in zip(scheduled.sampling, sampled):
-            if item.num_draft_tokens:
+            if item.num_draft_tokens and kept.error is None:
                 request_id = item.request.request_id
                 cut = self._cuts.get(request_id)
                 # NOTE: the scheduler may have verified a prefix of the cut (its token budget)
