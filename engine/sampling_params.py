@@ -22,6 +22,9 @@ MAX_PENALTY = 2.0
 # repetition_penalty lies in [1/100, 100]: far past any useful value, and a logit scaled by it stays
 # finite, so no row of probabilities can turn into NaN
 MAX_REPETITION_PENALTY = 100.0
+# a temperature below this samples greedily (vLLM's rule): dividing logits by it would overflow
+# float32 (1e-50 becomes 0.0), leaving no probability to sample from
+GREEDY_TEMPERATURE = 1e-5
 # seeds are in [0, SEED_RANGE): a torch generator takes 64-bit seeds, msgpack signed 64-bit ints
 SEED_RANGE = 2**63
 
@@ -33,13 +36,15 @@ def child_seed(seed: int | None, index: int) -> int | None:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    # 0 = greedy (argmax); otherwise logits are divided by it before softmax
+    # below GREEDY_TEMPERATURE (0 included) = greedy (argmax); otherwise logits are divided by it
+    # before softmax
     temperature: float = 1.0
     # nucleus sampling: keep the smallest set of tokens whose probability mass reaches top_p
     top_p: float = 1.0
     # keep only the top_k most likely tokens; 0 or -1 = all
     top_k: int = 0
-    # a seeded request draws from its own generator: the same seed gives the same tokens, run to run
+    # a seeded request's random numbers are keyed by (seed, output position): the same seed gives
+    # the same tokens run to run, and with one-hot drafts (or none) whatever the speculation
     seed: int | None = None
     # generated tokens at most; None = until EOS, a stop condition or max_model_len
     max_tokens: int | None = 16
@@ -126,7 +131,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def top_k_or_none(self) -> int | None:

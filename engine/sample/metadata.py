@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from engine.draft_tree import row_paths
+from engine.draft_tree import depths, row_paths, sibling_ranks
 from engine.request import Request
+from engine.sample.keyed_random import FIRST_ACCEPTANCE_STREAM, SAMPLE_STREAM
 from engine.sample.penalties import PenaltyMetadata
 
 
@@ -32,11 +34,16 @@ class SamplingMetadata:
     # the largest top_k of a random request, 0 when none truncates
     max_top_k: int
     has_top_p: bool
-    # ---- seeded random requests: their uniforms come from their own CPU generators ----
-    # (request, k) in batch order: each draws 2k + 1 uniforms per step, acceptance ones first
+    # ---- seeded random requests: their uniforms are keyed by (seed, output position, stream) ----
+    # (request, k) in batch order: each has 2k + 1 uniforms per step, acceptance ones first
     seeded: list[tuple[Request, int]]
+    # the batch index of each of them
+    seeded_batch_indices: list[int]
     # [sum(2k + 1)] int64: where those uniforms go in the step's uniforms (sampler.draw_uniforms)
     seeded_uniform_index: torch.Tensor | None
+    # (seeds, output positions, streams), host int64 arrays [sum(2k + 1)]: each uniform's key
+    # (engine/sample/keyed_random.py); in the order of seeded_uniform_index
+    seeded_uniform_keys: tuple[np.ndarray, np.ndarray, np.ndarray] | None
     # ---- min_tokens: (row, token id) pairs that cannot be chosen yet; None when there are none ----
     # ([num_banned] int64 rows, [num_banned] int64 token ids)
     banned: tuple[torch.Tensor, torch.Tensor] | None
@@ -62,7 +69,9 @@ class SamplingMetadata:
         num_draft_tokens = sum(num_drafts)
         is_greedy, temperature, top_k, top_p, request_of_row = [], [], [], [], []
         seeded: list[tuple[Request, int]] = []
+        seeded_batch_indices: list[int] = []
         seeded_index: list[int] = []
+        seeded_keys: list[tuple[int, int, int]] = []
         banned_rows: list[int] = []
         banned_ids: list[int] = []
         logprobs_requests, num_top = [], []
@@ -80,11 +89,14 @@ class SamplingMetadata:
             top_k.append(0 if params.is_greedy else max(params.top_k, 0))
             top_p.append(1.0 if params.is_greedy else params.top_p)
             request_of_row += [index] * (k + 1)
-            if request.generator is not None and not params.is_greedy:
+            if params.seed is not None and not params.is_greedy:
                 seeded.append((request, k))
+                seeded_batch_indices.append(index)
                 # NOTE: acceptance uniforms come first, then one per row (recovered or bonus draw)
                 seeded_index += range(draft_start, draft_start + k)
                 seeded_index += range(num_draft_tokens + row, num_draft_tokens + row + k + 1)
+                seeded_keys += uniform_keys(params.seed, request.num_output_tokens,
+                                            draft_parents[index], k)
             if params.min_tokens > request.num_output_tokens:
                 ids = banned_token_ids(request, request.num_output_tokens)
                 # NOTE: a row's output so far is the committed output and the drafts on its path
@@ -134,7 +146,10 @@ class SamplingMetadata:
             max_top_k=max(top_k, default=0),
             has_top_p=any(p < 1.0 for p in top_p),
             seeded=seeded,
+            seeded_batch_indices=seeded_batch_indices,
             seeded_uniform_index=seeded_t if seeded else None,
+            seeded_uniform_keys=(tuple(np.array(seeded_keys, dtype=np.int64).T) if seeded
+                                 else None),
             banned=(banned_rows_t, banned_ids_t) if banned_rows else None,
             logprobs_requests=logprobs_requests,
             num_top_logprobs=num_top,
@@ -149,6 +164,24 @@ def to_device(lists: list[list], dtype: torch.dtype, device: torch.device) -> li
     contiguous views of it, one per list."""
     packed = torch.tensor([value for values in lists for value in values], dtype=dtype)
     return list(packed.to(device).split_with_sizes([len(values) for values in lists]))
+
+
+def uniform_keys(seed: int, num_output_tokens: int, parents: list[int] | None,
+                 num_drafts: int) -> list[tuple[int, int, int]]:
+    """(seed, output position, stream) of a seeded request's 2k + 1 uniforms this step, in the order
+    of seeded_uniform_index: each draft's acceptance uniform, then each row's sample uniform.
+
+    Row 0 chooses output position num_output_tokens, and the row after a draft at depth d (1 under
+    the newest token) position num_output_tokens + d: siblings share their position's numbers, so
+    whichever path is accepted, the token at a position is decided by that position's numbers
+    alone. A draft is tried at its parent's position; siblings get acceptance streams by rank."""
+    if parents is None:
+        parents = list(range(-1, num_drafts - 1))
+    draft_depths = depths(parents)
+    acceptance = [(seed, num_output_tokens + depth - 1, FIRST_ACCEPTANCE_STREAM + rank)
+                  for depth, rank in zip(draft_depths, sibling_ranks(parents))]
+    sample = [(seed, num_output_tokens + depth, SAMPLE_STREAM) for depth in [0] + draft_depths]
+    return acceptance + sample
 
 
 def banned_token_ids(request: Request, output_index: int) -> list[int]:

@@ -2,14 +2,30 @@
 verification with k = 0 (the bonus token is then the sampled token).
 
 Per step, over all rows at once: min_tokens bans, logit_bias and penalties (each row counting the
-drafts before it as output, as if decoding one token at a time), argmax when any request is greedy
-(all a greedy request needs: no probabilities, no random numbers), then, when any is random, p
-(temperature, min_p, top-k, top-p with per-row tensors) and the uniforms; then kernels/ runs acceptance and the inverse-CDF draws of
-recovered and bonus tokens. Draft q
-comes from its proposer already transformed the same way. The vocabulary (accepted, recovered and bonus
+drafts before it as output, as if decoding one token at a time), each row's argmax (a greedy
+request's token, and the token of a random row left without probability mass), then, when any
+request is random, p (temperature, min_p, top-k, top-p with per-row tensors) and the uniforms; then
+kernels/ runs acceptance and the inverse-CDF draws of recovered and bonus tokens. Draft q comes from
+its proposer already transformed the same way. The vocabulary (accepted, recovered and bonus
 tokens, α, τ) is defined in kernels/rejection_reference.py. A step where some request verifies a
 tree of drafts walks every request's drafts as a tree (a chain is a tree with one branch, and the
 tree sampler gives it the chain sampler's tokens): kernels/tree_rejection_reference.py.
+
+Seeded requests with one-hot drafts (n-gram, suffix, EAGLE trees, or none) are decided like greedy
+ones: the token at each row is fixed in advance as the inverse CDF of p there at the row's keyed
+sample uniform (seed, output position; engine/sample/keyed_random.py), which is exactly the token
+plain decoding draws at that position; a draft is accepted iff it equals that token, with
+probability p(x), as rejection sampling. So the text depends only on the seed and the target's
+distributions, not on draft lengths, batch mates or cache state. (Any draw that is a function of
+(p, the position's numbers) with law p would do, Gumbel-max included; the inverse CDF needs one
+uniform per position instead of one per token, and is the kernels' own exact fixed-point draw.)
+Seeded requests with soft drafts (q from a sampling drafter) keep rejection sampling, with keyed
+uniforms: reproducible run to run, and their text depends on the drafts. Unseeded random requests
+keep one batched draw on the device: they promise no reproducibility, and it costs no host work.
+
+A request with NaN or +inf among its raw logits cannot be sampled: it gets SampledTokens.error and
+no tokens, and the others get exactly the tokens they would have had (every request is decided
+from its own rows and numbers).
 """
 
 from __future__ import annotations
@@ -22,6 +38,10 @@ from engine.sample.sampler import draw_uniforms, process_logits, target_probs
 from engine.scheduler import SampledTokens
 from engine.step_layout import StepLayout
 from kernels import PLACEHOLDER_TOKEN_ID, rejection_sample, tree_rejection_sample
+from kernels.rejection_reference import inverse_cdf, to_fixed_point
+
+NON_FINITE_LOGITS = ("the model produced non-finite logits (NaN or +inf) for this request; it "
+                     "cannot be sampled")
 
 
 class RejectionSampler:
@@ -35,15 +55,24 @@ class RejectionSampler:
         # NOTE: grammar masks first, on a copy: logprobs come from the raw logits
         masked = process_logits(mask_step_logits(logits, layout), metadata,
                                 layout.draft_token_ids)  # [num_rows, vocab]
-        if metadata.has_greedy:
-            target_argmax = masked.argmax(dim=-1)  # [num_rows]
-        else:  # NOTE: random requests read it only at a row of p without mass (never after softmax)
-            target_argmax = torch.zeros(layout.num_rows, dtype=torch.int64, device=logits.device)
+        # greedy's token, and the token of a random row of p without mass (never token 0)
+        largest, target_argmax = masked.max(dim=-1)  # [num_rows], [num_rows]
+        raw_largest = largest if masked is logits else logits.amax(dim=-1)  # [num_rows]
+        is_broken_row = ~(raw_largest < float("inf"))  # [num_rows] NaN or +inf among raw logits
+        is_greedy = metadata.is_greedy  # [batch]
         probs = acceptance_uniforms = sample_uniforms = None
         if not metadata.is_all_greedy:
             probs = target_probs(masked, metadata)  # [num_rows, vocab]
             acceptance_uniforms, sample_uniforms = draw_uniforms(
                 metadata, len(layout.draft_token_ids), layout.num_rows, logits.device)
+            decided = [i for i in metadata.seeded_batch_indices
+                       if layout.sampling[i].draft_probs is None]
+            if decided:
+                is_greedy = self._decide_seeded(layout, decided, probs, sample_uniforms,
+                                                target_argmax)
+                num_random = sum(not item.request.params.is_greedy for item in layout.sampling)
+                if len(decided) == num_random:  # NOTE: every request now decides as greedy
+                    probs = acceptance_uniforms = sample_uniforms = None
         # NOTE: by keyword, as kernels/ documents them (and as the tests' broken samplers take them)
         arguments = {
             "draft_token_ids": layout.draft_token_ids,
@@ -51,11 +80,13 @@ class RejectionSampler:
             "draft_probs": None if probs is None else layout.draft_probs,
             "target_probs": probs,
             "target_argmax": target_argmax,
-            "is_greedy": metadata.is_greedy,
+            "is_greedy": is_greedy,
             "acceptance_uniforms": acceptance_uniforms,
             "sample_uniforms": sample_uniforms,
             "max_spec_len": layout.max_num_draft_tokens,
         }
+        is_broken = torch.zeros(len(layout.sampling), dtype=torch.int64, device=logits.device)
+        is_broken.index_add_(0, metadata.request_of_row, is_broken_row.long())  # [batch]
         if layout.draft_parents is None:
             output = rejection_sample(**arguments)  # [batch, max_k + 1], -1 padded
             paths = [None] * len(layout.sampling)
@@ -65,12 +96,30 @@ class RejectionSampler:
                                                      **arguments)
             paths = [[d for d in row if d >= 0] if item.draft_parents is not None else None
                      for item, row in zip(layout.sampling, accepted.tolist())]
-        kept = [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in output.tolist()]
-        sampled = [SampledTokens(token_ids, accepted_drafts=path)
-                   for token_ids, path in zip(kept, paths)]
-        if metadata.logprobs_requests:
+        # NOTE: one transfer: the output rows with each request's broken flag as a last column
+        rows = torch.cat([output, is_broken[:, None]], dim=1).tolist()
+        kept = [[t for t in row[:-1] if t != PLACEHOLDER_TOKEN_ID] for row in rows]
+        sampled = [SampledTokens([], error=NON_FINITE_LOGITS) if row[-1]
+                   else SampledTokens(token_ids, accepted_drafts=path)
+                   for token_ids, path, row in zip(kept, paths, rows)]
+        if any(sampled[index].error is None for index in metadata.logprobs_requests):
             self._add_logprobs(logits, layout, kept, sampled)
         return sampled
+
+    @staticmethod
+    def _decide_seeded(layout: StepLayout, decided: list[int], probs: torch.Tensor,
+                       sample_uniforms: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
+        """Fix the token of every row of the seeded one-hot-draft requests `decided` (batch indices)
+        to the inverse CDF of p at the row's keyed sample uniform, written into target_argmax
+        [num_rows] (a row without mass keeps its argmax); returns is_greedy [batch] with those
+        requests marked greedy, so the kernels accept a draft iff it equals that token."""
+        rows = torch.tensor([row for i in decided for row in layout.rows_of(i)],
+                            device=probs.device)  # [num_decided_rows]
+        target_argmax[rows] = inverse_cdf(to_fixed_point(probs[rows]), sample_uniforms[rows],
+                                          target_argmax[rows])
+        is_greedy = layout.sampling_metadata.is_greedy.clone()  # [batch]
+        is_greedy[torch.tensor(decided, device=is_greedy.device)] = True
+        return is_greedy
 
     @staticmethod
     def _add_logprobs(logits: torch.Tensor, layout: StepLayout, kept: list[list[int]],
@@ -80,14 +129,17 @@ class RejectionSampler:
         metadata = layout.sampling_metadata
         rows: list[int] = []
         token_ids: list[int] = []
-        for index in metadata.logprobs_requests:
+        wanted = [(index, num_top) for index, num_top
+                  in zip(metadata.logprobs_requests, metadata.num_top_logprobs)
+                  if sampled[index].error is None]
+        for index, _ in wanted:
             rows += layout.kept_rows(index, sampled[index].kept_drafts)
             token_ids += kept[index]
         device = logits.device
         logprobs = compute_logprobs(logits[torch.tensor(rows, device=device)],
                                     torch.tensor(token_ids, device=device),
-                                    max(metadata.num_top_logprobs))
+                                    max(num_top for _, num_top in wanted))
         first_row = 0
-        for index, num_top in zip(metadata.logprobs_requests, metadata.num_top_logprobs):
+        for index, num_top in wanted:
             sampled[index].logprobs = logprobs.token_logprobs(first_row, kept[index], num_top)
             first_row += len(kept[index])

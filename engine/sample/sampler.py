@@ -4,8 +4,14 @@ In vLLM's order: min_tokens bans and logit_bias, then the penalties (engine/samp
 then argmax for greedy requests or, for random ones, temperature, min_p, top-k and top-p, with
 per-row parameters applied to all rows at once (sampling metadata). Proposers transform their q
 with the same functions, so p and q are compared like with like. Every draw is an inverse CDF at
-one uniform; a seeded request draws its uniforms from its own CPU generator, so its tokens do not
-depend on what else is in the batch, nor on the device.
+one uniform. An unseeded request's uniforms come from one batched draw on the device; a seeded
+request's are keyed by (seed, output position, stream) (engine/sample/keyed_random.py), computed on
+the host, so its tokens depend on neither the batch, the device, nor how many numbers earlier steps
+used (draft lengths, cache hits).
+
+Numerics: a row whose processed logits leave no probability (every logit -inf, or a NaN or +inf
+after temperature) gets p = 0 everywhere, never NaN; the samplers then emit the argmax of its
+processed logits (target_argmax). A q without mass becomes one-hot at its argmax.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import torch
 
 from engine.request import Request
 from engine.sample.grammar import mask_request_logits
+from engine.sample.keyed_random import keyed_uniforms
 from engine.sample.metadata import SamplingMetadata, banned_token_ids
 from engine.sample.penalties import apply_penalties, penalize_request
 from engine.sampling_params import SamplingParams
@@ -39,8 +46,11 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [rows, vocab]
     sorted_probs = sorted_logits.softmax(dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [rows, vocab]
-    # NOTE: a row with top_p = 1 drops nothing, though its rounded mass may pass 1
-    limit = torch.where(top_p < 1.0, top_p, float("inf"))[:, None]  # [rows, 1]
+    # NOTE: a row with top_p = 1 drops nothing, though its rounded mass may pass 1; the top token's
+    # mass before is exactly 0, so a limit above 0 keeps it even where a tiny top_p (1e-50) rounds
+    # to 0 in float32, which would drop every token
+    smallest = torch.finfo(torch.float32).tiny
+    limit = torch.where(top_p < 1.0, top_p.clamp_min(smallest), float("inf"))[:, None]  # [rows, 1]
     drop = torch.zeros_like(order, dtype=torch.bool).scatter(-1, order, mass_before >= limit)
     return logits.masked_fill(drop, float("-inf"))
 
@@ -74,17 +84,30 @@ def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
         logits = apply_top_k(logits, metadata.top_k[rows], metadata.max_top_k)
     if metadata.has_top_p:
         logits = apply_top_p(logits, metadata.top_p[rows])
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)  # [num_rows, vocab]
+    return probs.masked_fill_(~has_mass(logits)[:, None], 0.0)
+
+
+def has_mass(logits: torch.Tensor) -> torch.Tensor:
+    """[rows] bool: whether softmax of each row of `logits` [rows, vocab] is a distribution, i.e.
+    its largest entry is finite (amax propagates NaN: a NaN anywhere, +inf, or all -inf fail)."""
+    return logits.amax(dim=-1).isfinite()
 
 
 def request_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """One random request's distribution: [vocab] or [rows, vocab] float32 (proposers' q), from
     logits already biased and penalised."""
-    logits = logits.float() / params.temperature
+    rows = logits.reshape(-1, logits.shape[-1]).float()  # [rows, vocab]
+    tempered = rows / params.temperature
     if params.min_p > 0.0:
-        rows = logits.reshape(-1, logits.shape[-1])  # [rows, vocab]
-        logits = apply_min_p(rows, rows.new_full((len(rows),), params.min_p)).reshape(logits.shape)
-    return apply_top_k_top_p(logits, params.top_k_or_none, params.top_p).softmax(dim=-1)
+        tempered = apply_min_p(tempered, tempered.new_full((len(rows),), params.min_p))
+    tempered = apply_top_k_top_p(tempered, params.top_k_or_none, params.top_p)
+    # NOTE: without mass, q is one-hot at the argmax of the logits (NaN counting as -inf): still a
+    # distribution the draft is drawn from, so verification stays lossless
+    fallback = torch.nan_to_num(rows, nan=float("-inf")).argmax(dim=-1, keepdim=True)  # [rows, 1]
+    one_hot = torch.zeros_like(tempered).scatter_(-1, fallback, 1.0)
+    probs = torch.where(has_mass(tempered)[:, None], tempered.softmax(dim=-1), one_hot)
+    return probs.reshape(logits.shape)
 
 
 def sample_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
@@ -103,12 +126,11 @@ def sample_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 def draw_uniforms(metadata: SamplingMetadata, num_draft_tokens: int, num_rows: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's random numbers: ([num_draft_tokens] acceptance uniforms, [num_rows] sample uniforms),
-    float64. One batched draw on the device; seeded requests' entries are then replaced by 2k + 1 draws
-    from their own generators (the only loop, and over seeded requests alone)."""
+    float64. One batched draw on the device; seeded requests' entries are then replaced by their
+    keyed uniforms (one vectorised Philox pass on the host over all of them, one copy)."""
     uniforms = torch.rand(num_draft_tokens + num_rows, dtype=torch.float64, device=device)
     if metadata.seeded:
-        own = torch.cat([torch.rand(2 * k + 1, dtype=torch.float64, generator=request.generator)
-                         for request, k in metadata.seeded])  # [sum(2k + 1)] on the CPU
+        own = torch.from_numpy(keyed_uniforms(*metadata.seeded_uniform_keys))  # [sum(2k + 1)]
         uniforms.index_copy_(0, metadata.seeded_uniform_index, own.to(device))
     return uniforms[:num_draft_tokens], uniforms[num_draft_tokens:]
 

@@ -154,14 +154,19 @@ def test_sample_one_never_picks_a_masked_token() -> None:
     assert draws == {4, 1}
 
 
-def draws(seed: int, neighbours: int, drafts: list[int], num_draws: int = 48) -> list[list[int]]:
-    """A seeded request's tokens (its drafts verified too) beside `neighbours` unseeded requests."""
+def draws(seed: int, neighbours: int, drafts: list[int], num_steps: int = 48) -> list[list[int]]:
+    """A seeded request's tokens, step after step (its drafts verified too, its output growing by
+    what it kept), beside `neighbours` unseeded requests."""
     sampler = RejectionSampler()
     seeded = make_request("s", seed=seed)
-    requests = [make_request(f"n{i}") for i in range(neighbours)] + [seeded]
-    layout = layout_of(requests, [[] for _ in range(neighbours)] + [drafts])
-    logits = torch.zeros(layout.num_rows, 32)  # [rows, vocab]: uniform, so every draw is pure noise
-    return [sampler(logits, layout)[-1].token_ids for _ in range(num_draws)]
+    steps = []
+    for _ in range(num_steps):
+        requests = [make_request(f"n{i}") for i in range(neighbours)] + [seeded]
+        layout = layout_of(requests, [[] for _ in range(neighbours)] + [drafts])
+        logits = torch.zeros(layout.num_rows, 32)  # [rows, vocab]: uniform, every draw pure noise
+        steps.append(sampler(logits, layout)[-1].token_ids)
+        seeded.output_token_ids += steps[-1]
+    return steps
 
 
 @pytest.mark.parametrize("drafts", [[], [3, 9]], ids=["k0", "k2"])

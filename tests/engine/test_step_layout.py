@@ -98,15 +98,22 @@ def test_draft_probs_rows_follow_the_drafts() -> None:
     assert torch.equal(layout.draft_probs[[0, 1, 3]], q)  # row 2 (greedy) is never read
 
 
-def test_a_seeded_request_draws_2k_plus_1_uniforms_from_its_own_generator() -> None:
+def test_a_seeded_request_keys_its_2k_plus_1_uniforms_and_leaves_its_generator() -> None:
+    """Its uniforms are keyed by (seed, output position, stream) (engine/sample/keyed_random.py),
+    so sampling draws nothing from the request's generator (left to its drafter)."""
     request = make_request("s", seed=11)
+    request.output_token_ids = [4, 4]
     neighbour = make_request("n")
     items = [ScheduledRequest(neighbour, 2, True, [1]),
              ScheduledRequest(request, 3, True, [2, 3])]
-    RejectionSampler()(torch.randn(5, VOCAB), StepLayout.build(items, torch.device("cpu")))
-    expected = torch.Generator().manual_seed(11)
-    torch.rand(5, dtype=torch.float64, generator=expected)
-    assert torch.equal(request.generator.get_state(), expected.get_state())
+    layout = StepLayout.build(items, torch.device("cpu"))
+    seeds, positions, streams = layout.sampling_metadata.seeded_uniform_keys
+    # acceptance uniforms of drafts 1 and 2 (tried at positions 2, 3), then rows 0..2's samples
+    assert list(zip(seeds, positions, streams)) == [(11, 2, 1), (11, 3, 1), (11, 2, 0),
+                                                    (11, 3, 0), (11, 4, 0)]
+    before = request.generator.get_state()
+    RejectionSampler()(torch.randn(5, VOCAB), layout)
+    assert torch.equal(request.generator.get_state(), before)
 
 
 def test_request_carries_no_draft() -> None:
