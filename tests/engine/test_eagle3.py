@@ -13,6 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from bigram_drafters import (
+    assert_often_right,
+    build_mostly_bigram_checkpoint,
+    write_bigram_eagle3_head,
+)
 from reference_attention import reference_self_attention
 from safetensors.torch import save_file
 from spec_outputs import pooled_acceptance_rate, third_token_law, token_ids, two_sample_chi2_pvalue
@@ -215,16 +220,52 @@ def test_greedy_is_lossless_and_drafts_are_proposed(target, head, expected):
     assert all(o.spec_stats.num_draft_tokens > 0 for o in outs)
 
 
+def drafts_proposed(llm: LLM) -> dict[str, list[list[int]]]:
+    """Every draft the engine's proposer returns from now on, per request id."""
+    proposer, seen = llm.engine.proposer, {}
+    propose = proposer.propose
+
+    def recording(requests, caps, target_hidden):
+        proposals = propose(requests, caps, target_hidden)
+        for request, proposal in zip(requests, proposals):
+            seen.setdefault(request.request_id, []).append(list(proposal.token_ids))
+        return proposals
+
+    proposer.propose = recording
+    return seen
+
+
 def test_a_cached_prefix_gives_the_same_drafts(target, head, expected):
-    """The fused features of a cached prefix come from beside its blocks."""
+    """The fused features of a cached prefix come from beside its blocks: the drafts themselves
+    (which a random head derives from every feature it has read) equal those of an engine that
+    computed the whole prompt; a zero or stale feature changes them."""
     _, folder = head
-    llm = spec_llm(target, folder)
-    llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)
-    again = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
-    assert again.num_cached_tokens == 32
-    assert again.outputs[0].token_ids == expected[1]
-    fresh = spec_llm(target, folder).generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
-    assert again.spec_stats.num_accepted_draft_tokens == fresh.spec_stats.num_accepted_draft_tokens
+    runs = []
+    for caching in (True, False):
+        llm = spec_llm(target, folder, enable_prefix_caching=caching)
+        llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)
+        seen = drafts_proposed(llm)
+        again = llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)[0]
+        assert again.num_cached_tokens == (32 if caching else 0)
+        assert again.outputs[0].token_ids == expected[1]
+        runs.append(list(seen.values()))
+    assert runs[0] == runs[1] and sum(len(d) for d in runs[0][0]) > 20, runs
+
+
+def test_greedy_is_lossless_when_the_drafts_are_mostly_right(tmp_path):
+    """A head built from a mostly-bigram target's own weights (tests/helpers/bigram_drafters.py)
+    guesses right more often than not: accepted blocks, partial ones and rejections all run, in a
+    batch with capped and uncapped requests, and the tokens stay the target's."""
+    bigram_target = build_mostly_bigram_checkpoint(tmp_path / "target")
+    folder = write_bigram_eagle3_head(bigram_target, str(tmp_path / "head"))
+    plain = LLM(bigram_target, dtype="float64", max_model_len=256, num_kv_blocks=64)
+    want = token_ids(plain.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                             num_speculative_tokens=cap) for cap in (None, 2, None, None)]
+    outs = spec_llm(bigram_target, folder).generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                    params)
+    assert token_ids(outs) == want
+    assert_often_right(outs)
 
 
 def test_sampled_distribution_is_unchanged(tmp_path):

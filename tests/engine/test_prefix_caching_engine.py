@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bigram_drafters import (
+    assert_often_right,
+    build_mostly_bigram_checkpoint,
+    write_bigram_mlp_speculator,
+)
 
 from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle_head import EagleConfig, EagleHead
-from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 
 SYSTEM = list(range(3, 60))  # a shared "system prompt" of 57 tokens: 3 full blocks of 16
 PROMPTS = [[1] + SYSTEM + [70, 71, 72], [1] + SYSTEM + [80, 81], [1] + SYSTEM[:20] + [90],
@@ -39,20 +43,23 @@ def expected(tiny_llama) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def mlp_speculator_folder(tiny_llama, tmp_path_factory) -> str:
-    arch = LlamaArch.from_hf_config(load_checkpoint(tiny_llama, torch.float32).hf_config)
-    torch.manual_seed(0)
-    folder = str(tmp_path_factory.mktemp("mlp_speculator"))
-    MLPSpeculator(MLPSpeculatorConfig(hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
-                                      num_stages=3)).save(folder)
-    return folder
+def bigram_target(tmp_path_factory) -> str:
+    return build_mostly_bigram_checkpoint(tmp_path_factory.mktemp("mostly_bigram"))
+
+
+@pytest.fixture(scope="module")
+def mlp_speculator_folder(bigram_target, tmp_path_factory) -> str:
+    """Built from the mostly-bigram target's own weights: right more often than not there."""
+    return write_bigram_mlp_speculator(bigram_target,
+                                       str(tmp_path_factory.mktemp("mlp_speculator")))
 
 
 @pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft_model", "mlp_speculator"])
 def test_cached_prefixes_are_skipped_and_the_tokens_stay(tiny_llama, expected, method, request):
     """The draft model keeps its own KV and recomputes the prefix itself: never stale. The MLP
     speculator reads only the newest position's feature, which a hit still computes (the block
-    holding a prompt's last token is never shared)."""
+    holding a prompt's last token is never shared); it runs on a mostly-bigram target, with a
+    speculator built from that target's weights whose drafts are mostly accepted."""
     speculative_config = {
         "plain": None, "ngram": NGRAM,
         "suffix": {"method": "suffix", "num_speculative_tokens": 4},
@@ -61,6 +68,10 @@ def test_cached_prefixes_are_skipped_and_the_tokens_stay(tiny_llama, expected, m
                            "model": request.getfixturevalue("mlp_speculator_folder")
                            if method == "mlp_speculator" else None},
     }[method]
+    if method == "mlp_speculator":
+        tiny_llama = request.getfixturevalue("bigram_target")
+        plain = engine(tiny_llama, caching=False)
+        expected = [tokens(plain.generate([{"prompt_token_ids": p}], GREEDY))[0] for p in PROMPTS]
     llm = engine(tiny_llama, caching=True, speculative_config=speculative_config)
     first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY)
     assert tokens(first) == expected[:1]
@@ -80,6 +91,8 @@ def test_cached_prefixes_are_skipped_and_the_tokens_stay(tiny_llama, expected, m
     assert blocks.prefix_cache_hits >= 48 + 16  # 3 blocks for prompt 1, 1 block for prompt 2
     batched = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert tokens(batched) == expected
+    if method == "mlp_speculator":
+        assert_often_right(batched)
 
 
 def test_a_finished_conversation_is_found_by_its_next_turn(tiny_llama, expected):

@@ -11,9 +11,15 @@ TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers":
                    "bos_token_id": 1, "initializer_range": 0.15}
 
 
-def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, **overrides) -> str:
+def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, layer_scale: float = 1.0,
+                          **overrides) -> str:
     """Save a random tiny model as a Hugging Face folder; the large init range makes logits peaked,
-    so greedy ties never flip on rounding, while tokens still depend on their context."""
+    so greedy ties never flip on rounding, while tokens still depend on their context.
+
+    layer_scale < 1 shrinks what each layer adds to the residual stream (attention's o_proj and the
+    MLP's down_proj): at 0.01-0.02 the next token is mostly the token before it's favourite (a
+    "mostly bigram" model, which a drafter built in tests/helpers/bigram_drafters.py guesses right
+    60-85% of the time), while the context still decides the rest."""
     torch.manual_seed(seed)
     shapes = {**TINY_SHAPES, **overrides}
     if kind == "llama":
@@ -27,6 +33,11 @@ def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, **overrides)
         model = transformers.MistralForCausalLM(config)
     else:
         raise ValueError(kind)
+    if layer_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(layer_scale)
+                layer.mlp.down_proj.weight.mul_(layer_scale)
     model.save_pretrained(path)
     return str(path)
 
