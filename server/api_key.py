@@ -1,37 +1,66 @@
-"""The API key check, as ASGI middleware in front of everything else: a request to /v1 without the key
-gets 401 before a byte of its body is read or parsed, so a client without the key costs the server
-nothing but its headers."""
+"""The API key check, as ASGI middleware in front of everything else: a request to /v1 without a
+valid key gets 401 before a byte of its body is read or parsed, so a client without a key costs the
+server nothing but its headers.
+
+Each key is a tenant of its own (DESIGN.md "Tenancy"): the check puts the key's tenant, a digest
+that never reveals the key, in the request's scope, and the server isolates the prefix cache and
+suffix decoding's output cache by it.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+from collections.abc import Sequence
 
 from starlette.datastructures import Headers
+from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import ApiError
 
 PROTECTED_PREFIX = "/v1"
+# where the check leaves the tenant in the ASGI scope's "state" (Request.state.api_key_tenant)
+TENANT_STATE_KEY = "api_key_tenant"
+
+
+def key_tenant(api_key: str) -> str:
+    """The tenant of a key: a digest, so neither logs nor the engine process ever see the key."""
+    return "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+def request_tenant(request: Request) -> str | None:
+    """The tenant the key check found for this request; None on a server without keys."""
+    return getattr(request.state, TENANT_STATE_KEY, None)
 
 
 class ApiKeyCheck:
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
-        if not api_key.strip():
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
+        if not api_keys or any(not key.strip() for key in api_keys):
             # NOTE: an empty key would let every `Bearer ` header in; the CLI refuses it earlier
-            raise ValueError("the API key must not be empty")
+            raise ValueError("API keys must not be empty")
         self.app = app
-        self.api_key = api_key.encode()
+        self.tenants = [(key.encode(), key_tenant(key)) for key in dict.fromkeys(api_keys)]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and _is_protected(scope["path"]) and not self._has_key(scope):
-            await _unauthorized(send)
-            return
+        if scope["type"] == "http" and _is_protected(scope["path"]):
+            tenant = self._tenant(scope)
+            if tenant is None:
+                await _unauthorized(send)
+                return
+            scope.setdefault("state", {})[TENANT_STATE_KEY] = tenant
         await self.app(scope, receive, send)
 
-    def _has_key(self, scope: Scope) -> bool:
+    def _tenant(self, scope: Scope) -> str | None:
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        # NOTE: constant-time comparison, so response timing does not leak the key
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.api_key)
+        if scheme.lower() != "bearer":
+            return None
+        found = None
+        for key, tenant in self.tenants:
+            # NOTE: constant-time comparisons against every key, so timing leaks no key
+            if hmac.compare_digest(token.encode(), key):
+                found = tenant
+        return found
 
 
 def _is_protected(path: str) -> bool:

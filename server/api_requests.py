@@ -28,7 +28,7 @@ from engine.sampling_params import (
     MAX_STOP_STRINGS,
     SamplingParams,
 )
-from engine.structured import ResponseFormat, check_response_format
+from engine.structured import ResponseFormat, parse_response_format
 
 # NOTE: token ids get no upper bound here; the server checks them against the vocabulary
 TokenId = Annotated[int, Field(ge=0)]
@@ -42,6 +42,15 @@ LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_
 # logit_bias keys: token ids written as decimal integers, as OpenAI's SDKs send them (JSON object
 # keys are strings); ten digits hold any vocabulary
 MAX_TOKEN_ID_DIGITS = 10
+# NOTE: caps on what a client sends, so that validating, copying and sending one request stays
+# cheap for the event loop (8,000,000 stop_token_ids once held /health for 12.7 s)
+MAX_STOP_TOKEN_IDS = 1024
+# prompts x n of one request: each is an engine request (OpenAI caps n at 128)
+MAX_CHOICES_PER_REQUEST = 256
+MAX_MESSAGES = 2048
+# model, user and message names: identifiers, not text
+MAX_NAME_CHARS = 256
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 
 class SpeculativeDecodingOptions(BaseModel):
@@ -81,7 +90,7 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str | None = None
+    model: Name | None = None
     # OpenAI's range; the offline SamplingParams accepts more. NaN and Infinity (which Python's
     # JSON reader accepts) get a message of their own.
     temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
@@ -102,7 +111,9 @@ class _GenerationRequest(BaseModel):
     # {"token id": bias}; the server checks the ids against the vocabulary
     logit_bias: Annotated[dict[str, LogitBias],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
-    user: str | None = None
+    user: Name | None = None
+    # not implemented: 400 unless neutral (null, 1 or n), on both endpoints
+    best_of: Any = None
     # extensions (vLLM)
     repetition_penalty: Annotated[float, Field(ge=1.0 / MAX_REPETITION_PENALTY,
                                                le=MAX_REPETITION_PENALTY,
@@ -110,21 +121,27 @@ class _GenerationRequest(BaseModel):
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     # extension (vLLM): state that outlives this request (suffix decoding's output cache, later
     # prefix-cache blocks) is shared only with requests of the same API key and cache_salt
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
     # specserve extra
     speculative_decoding: SpeculativeDecodingOptions | None = None
     # {"type": "text" | "json_object" | "json_schema", ...}: JSON output enforced by a grammar at
-    # every position, drafts included (engine/structured/); parsed here, so a bad or unenforceable
-    # schema is a 400 before the request reaches the engine
+    # every position, drafts included (engine/structured/). Its shape, size and depth are checked
+    # here; whether the grammar can enforce it (up to ~1 s for a large schema) on a thread by the
+    # server (server/openai_serving.py), so a bad schema is a 400 before it reaches the engine
     response_format: Any = None
 
     @field_validator("response_format")
     @classmethod
-    def _response_format_is_enforceable(cls, response_format: Any) -> ResponseFormat | None:
-        return check_response_format(response_format)
+    def _response_format_is_well_formed(cls, response_format: Any) -> ResponseFormat | None:
+        return parse_response_format(response_format)
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_must_be_n(cls, best_of: Any, info: ValidationInfo) -> Any:
+        return _not_implemented(best_of, 1, info.data.get("n", 1))
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -194,13 +211,7 @@ class CompletionRequest(_GenerationRequest):
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     # not implemented: 400 unless neutral
-    best_of: Any = None
     suffix: Any = None
-
-    @field_validator("best_of")
-    @classmethod
-    def _best_of_must_be_n(cls, best_of: Any, info: ValidationInfo) -> Any:
-        return _not_implemented(best_of, 1, info.data.get("n", 1))
 
     @field_validator("suffix")
     @classmethod
@@ -218,6 +229,17 @@ class CompletionRequest(_GenerationRequest):
         if not prompt or (isinstance(prompt, list)
                            and any(isinstance(p, (str, list)) and not p for p in prompt)):
             raise ValueError("must not be empty (nor may any prompt in its list)")
+        return prompt
+
+    @field_validator("prompt")
+    @classmethod
+    def _choices_are_bounded(cls, prompt: Any, info: ValidationInfo) -> Any:
+        num_prompts = len(prompt) if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) \
+            else 1
+        n = info.data.get("n", 1)
+        if num_prompts * n > MAX_CHOICES_PER_REQUEST:
+            raise ValueError(f"{num_prompts} prompts x n {n} = {num_prompts * n} completions; at "
+                             f"most {MAX_CHOICES_PER_REQUEST} per request")
         return prompt
 
     @property
@@ -243,7 +265,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     # None only for an assistant message (OpenAI allows it when the message carried tool calls)
     content: str | None = Field(default=None, validate_default=True)
-    name: str | None = None
+    name: Name | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -274,7 +296,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     # deprecated by OpenAI in favour of max_completion_tokens, which wins when both are given
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None

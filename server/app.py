@@ -12,10 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.api_key import ApiKeyCheck
+from server.api_key import ApiKeyCheck, request_tenant
 from server.api_requests import ChatCompletionRequest, CompletionRequest
 from server.api_responses import ModelCard, ModelList
-from server.body_limit import DEFAULT_MAX_BODY_BYTES, BodySizeLimit
+from server.body_limit import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT, BodySizeLimit
 from server.engine_client import EngineClient
 from server.errors import ApiError, ErrorResponse
 from server.generation import ClientDisconnected
@@ -38,20 +38,24 @@ class ServerState:
     client: EngineClient
     serving: OpenAIServing
     metrics: ServerMetrics
-    api_key: str | None = None
+    # each key is a tenant of its own; empty: no key is asked for (one anonymous tenant)
+    api_keys: tuple[str, ...] = ()
     # set on SIGTERM: new requests get 503 while in-flight ones finish
     draining: bool = False
     # larger request bodies get 413 before they are parsed
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # seconds a client has to send its body once its headers are in (then 408)
+    read_timeout: float = DEFAULT_READ_TIMEOUT
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specserve", version=specserve_version(),
                   description="OpenAI-compatible inference with lossless speculative decoding")
-    app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes)
-    if state.api_key is not None:
+    app.add_middleware(BodySizeLimit, max_bytes=state.max_body_bytes,
+                       read_timeout=state.read_timeout)
+    if state.api_keys:
         # NOTE: added last, so it runs first: the key is checked before the body is read (401 first)
-        app.add_middleware(ApiKeyCheck, api_key=state.api_key)
+        app.add_middleware(ApiKeyCheck, api_keys=state.api_keys)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -121,11 +125,13 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=generation, responses=errors)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return _respond(await state.serving.completions(body, request.is_disconnected))
+        return _respond(await state.serving.completions(body, request.is_disconnected,
+                                                        request_tenant(request)))
 
     @app.post("/v1/chat/completions", dependencies=generation, responses=errors)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return _respond(await state.serving.chat(body, request.is_disconnected))
+        return _respond(await state.serving.chat(body, request.is_disconnected,
+                                                 request_tenant(request)))
 
     default_openapi = app.openapi
 

@@ -50,9 +50,13 @@ def _add_serve_parser(commands) -> None:
                        help="the name clients pass as `model` (default: from the model path)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None,
-                       help=f"require `Authorization: Bearer KEY` on /v1 (default: ${API_KEY_ENV}; "
-                            f"neither set: no key is asked for; set but empty: refused)")
+    serve.add_argument("--api-key", action="append", default=None,
+                       help=f"require `Authorization: Bearer KEY` on /v1; repeat it for several "
+                            f"keys, each its own cache tenant (default: ${API_KEY_ENV}, one key; "
+                            f"none set: no key is asked for; set but empty: refused)")
+    serve.add_argument("--api-key-file", default=None,
+                       help="a file of API keys, one per line (blank lines and lines starting "
+                            "with # are skipped), added to any --api-key")
     serve.add_argument("--speculative-config", default=DEFAULT_SERVE_SPECULATIVE_CONFIG,
                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'; '
                             '"none" turns speculation off (default: %(default)s)')
@@ -78,6 +82,11 @@ def _add_serve_parser(commands) -> None:
                        help="seconds SIGTERM waits for in-flight requests")
     serve.add_argument("--max-body-mib", type=float, default=16.0,
                        help="request bodies above this many MiB get 413")
+    serve.add_argument("--read-timeout", type=float, default=30.0,
+                       help="seconds a client has to send its request headers, and again its "
+                            "body; a slower one gets 408 and is disconnected")
+    serve.add_argument("--max-connections", type=int, default=1024,
+                       help="open HTTP connections beyond this get 503 and are closed")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -85,7 +94,8 @@ def _add_serve_parser(commands) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    api_key = resolve_api_key(args.api_key, os.environ)  # NOTE: first, before anything loads
+    # NOTE: first, before anything loads
+    api_keys = resolve_api_keys(args.api_key, args.api_key_file, os.environ)
 
     from engine.engine_args import EngineArgs
     from server.serve import ServerArgs, serve
@@ -106,7 +116,12 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting-requests must be at least 1, got {args.max_waiting_requests}")
     if not args.max_body_mib > 0:
         raise ValueError(f"--max-body-mib must be positive, got {args.max_body_mib}")
-    server_args = ServerArgs(host=args.host, port=args.port, api_key=api_key,
+    if not args.read_timeout > 0:
+        raise ValueError(f"--read-timeout must be positive, got {args.read_timeout}")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be at least 1, got {args.max_connections}")
+    server_args = ServerArgs(host=args.host, port=args.port, api_keys=api_keys,
+                             read_timeout=args.read_timeout, max_connections=args.max_connections,
                              served_model_name=args.served_model_name,
                              max_waiting_requests=args.max_waiting_requests,
                              drain_timeout=args.drain_timeout, log_level=args.log_level,
@@ -114,8 +129,38 @@ def run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(serve(engine_args, server_args))
 
 
+def resolve_api_keys(flags: list[str] | str | None, key_file: str | None,
+                     environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys /v1 asks for, each its own tenant: every --api-key and every line of
+    --api-key-file; with neither, $SPECSERVE_API_KEY; () when none is set (no key asked for)."""
+    if isinstance(flags, str):
+        flags = [flags]
+    keys = [resolve_api_key(flag, environ) for flag in flags or []]
+    if key_file is not None:
+        keys += _read_key_file(key_file)
+    if not keys:
+        key = resolve_api_key(None, environ)
+        keys = [] if key is None else [key]
+    return tuple(dict.fromkeys(keys))
+
+
+def _read_key_file(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.strip() for line in f]
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"--api-key-file {path}: cannot read it: {error}") from None
+    keys = [line for line in lines if line and not line.startswith("#")]
+    if not keys:  # NOTE: an empty file must not mean "no key asked for"
+        raise ValueError(f"--api-key-file {path} holds no keys: refusing to serve /v1 without one")
+    if any(len(key.split()) != 1 for key in keys):
+        raise ValueError(f"--api-key-file {path}: a key contains whitespace; no client could "
+                         f"send it")
+    return keys
+
+
 def resolve_api_key(flag: str | None, environ: Mapping[str, str]) -> str | None:
-    """The key /v1 asks for: --api-key, else $SPECSERVE_API_KEY, else None (no key asked for).
+    """One key: --api-key, else $SPECSERVE_API_KEY, else None (no key asked for).
 
     A key that is set but empty or blank is refused: it would let every `Bearer ` header in, and
     it usually means a deployment lost its secret (an empty Kubernetes Secret, an unset variable

@@ -47,8 +47,8 @@ class ErrorResponse(BaseModel):
 
 
 _DEFAULT_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                  413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError",
-                  503: "ServiceUnavailableError"}
+                  408: "RequestTimeoutError", 413: "RequestTooLargeError", 429: "RateLimitError",
+                  500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 class ApiError(Exception):
@@ -72,9 +72,12 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
+    def body_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
     async def send_asgi(self, send: Any, extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Answer with this error straight from ASGI middleware, before any route runs."""
-        payload = json.dumps(self.body()).encode()
+        payload = self.body_bytes()
         await send({"type": "http.response.start", "status": self.status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(payload)).encode()),

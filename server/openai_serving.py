@@ -8,7 +8,6 @@ lives in server/generation.py, OpenAI's shapes in the two formatters.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from engine.sampling_params import SamplingParams
+from engine.structured import ResponseFormatError, check_grammar_support
 from server.api_requests import ChatCompletionRequest, CompletionRequest
 from server.chat_formatter import ChatFormatter
 from server.completion_formatter import CompletionFormatter
@@ -23,14 +23,14 @@ from server.engine_client import EngineClient
 from server.errors import ApiError
 from server.generation import Generation, WaitingRequests
 from server.metrics import ServerMetrics
+from server.prompt_limits import max_prompt_chars
 
 Formatter = CompletionFormatter | ChatFormatter
 
 
 class OpenAIServing:
     def __init__(self, client: EngineClient, tokenizer: Any, served_model_name: str,
-                 metrics: ServerMetrics, max_waiting_requests: int,
-                 api_key: str | None = None) -> None:
+                 metrics: ServerMetrics, max_waiting_requests: int) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -39,30 +39,39 @@ class OpenAIServing:
         self.max_model_len = client.ready.max_model_len
         self.vocab_size = client.ready.vocab_size
         self.engine_k = client.ready.num_speculative_tokens
-        # NOTE: the tenant of every request that passed the key check; a digest, so the key
-        # itself never travels to the engine process
-        self._key_tenant = None if api_key is None else (
-            "key:" + hashlib.sha256(api_key.encode()).hexdigest()[:16])
+        # NOTE: a text longer than this cannot fit the context, whatever its tokens: refused
+        # before tokenizing, so a 15 MiB prompt costs nothing (server/prompt_limits.py)
+        self.max_prompt_chars = max_prompt_chars(tokenizer, self.max_model_len)
 
     # ------------------------------------------------------------------ entry points
-    async def completions(self, body: CompletionRequest,
-                          is_disconnected: Callable[[], Any]) -> BaseModel | AsyncIterator[str]:
+    async def completions(self, body: CompletionRequest, is_disconnected: Callable[[], Any],
+                          tenant: str | None = None) -> BaseModel | AsyncIterator[str]:
+        """`tenant`: the API key's tenant (server/api_key.py), None on a server without keys."""
         self._check_model(body.model)
         if body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            param="echo")
+        self._check_queue_room(len(body.prompts), body.n)
+        for prompt in body.prompts:
+            self._check_prompt_size(prompt, "prompt")
+        await self._check_response_format(body)
         prompts = [await self._tokenize_prompt(p) for p in body.prompts]
         params = [self._sampling_params(body, ids, body.max_tokens) for ids in prompts]
         echo = [self._decode(ids) if body.echo else "" for ids in prompts]
         formatter = CompletionFormatter(self.tokenizer, self.served_model_name, echo, body.n)
-        generation = await self._start(prompts, params, body)
+        generation = await self._start(prompts, params, body, tenant)
         return await self._respond(generation, formatter, body, is_disconnected)
 
-    async def chat(self, body: ChatCompletionRequest,
-                   is_disconnected: Callable[[], Any]) -> BaseModel | AsyncIterator[str]:
+    async def chat(self, body: ChatCompletionRequest, is_disconnected: Callable[[], Any],
+                   tenant: str | None = None) -> BaseModel | AsyncIterator[str]:
         self._check_model(body.model)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
+        self._check_queue_room(1, body.n)
+        num_chars = sum(len(m.content or "") for m in body.messages)
+        if num_chars > self.max_prompt_chars:
+            raise _too_long("messages", num_chars, self.max_prompt_chars, self.max_model_len)
+        await self._check_response_format(body)
         try:
             # NOTE: in a thread: a long conversation takes a while to render, and the event loop
             # must keep other requests' streams flowing meanwhile
@@ -75,14 +84,15 @@ class OpenAIServing:
         prompt = await self._encode(text, "messages", add_special_tokens=False)
         params = self._sampling_params(body, prompt, body.requested_max_tokens)
         formatter = ChatFormatter(self.tokenizer, self.served_model_name)
-        generation = await self._start([prompt], [params], body)
+        generation = await self._start([prompt], [params], body, tenant)
         return await self._respond(generation, formatter, body, is_disconnected)
 
     # ------------------------------------------------------------------ running
     async def _start(self, prompts: list[list[int]], params: list[SamplingParams],
-                     body: CompletionRequest | ChatCompletionRequest) -> Generation:
+                     body: CompletionRequest | ChatCompletionRequest,
+                     tenant: str | None) -> Generation:
         generation = Generation(self.client, self.tokenizer, self.metrics, self.waiting, prompts,
-                                params, body.n, self._cache_salt(body))
+                                params, body.n, cache_salt(tenant, body.cache_salt))
         await generation.submit()
         return generation
 
@@ -126,12 +136,33 @@ class OpenAIServing:
                                 f"{self.served_model_name!r}", param="model",
                            code="model_not_found", type="NotFoundError")
 
-    def _cache_salt(self, body: CompletionRequest | ChatCompletionRequest) -> str | None:
-        """The tenant whose requests may share state that outlives a request (suffix decoding's
-        output cache): the API key, when the server has one, and the request's cache_salt. None
-        (no key, no salt) shares with nobody."""
-        parts = [p for p in (self._key_tenant, body.cache_salt and "salt:" + body.cache_salt) if p]
-        return "/".join(parts) or None
+    def _check_queue_room(self, num_prompts: int, n: int) -> None:
+        """Before any tokenizing: a request that could never fit the waiting queue is a 400."""
+        if num_prompts * n > self.waiting.max_waiting:
+            raise ApiError(400, f"this request asks for {num_prompts * n} completions "
+                                f"({num_prompts} prompts x n {n}); this server queues at most "
+                                f"{self.waiting.max_waiting}", param="n")
+
+    def _check_prompt_size(self, prompt: str | list[int], param: str) -> None:
+        """Before tokenizing: a text with more characters than the context could hold in tokens,
+        or token ids that fill the context alone, is a 400."""
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise _too_long(param, len(prompt), self.max_prompt_chars, self.max_model_len)
+        if isinstance(prompt, list) and len(prompt) >= self.max_model_len:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
+                                f"{self.max_model_len} tokens, leaving no room to generate",
+                           param=param, code="context_length_exceeded")
+
+    @staticmethod
+    async def _check_response_format(body: CompletionRequest | ChatCompletionRequest) -> None:
+        """Whether the grammar can enforce the schema: up to ~1 s for a large one, on a thread
+        (llguidance releases the GIL), so other requests and /health go on meanwhile."""
+        if body.response_format is None:
+            return
+        try:
+            await asyncio.to_thread(check_grammar_support, body.response_format)
+        except ResponseFormatError as error:
+            raise ApiError(400, str(error), param=error.param) from None
 
     async def _tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -181,6 +212,20 @@ class OpenAIServing:
 
     def _decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+
+def cache_salt(tenant: str | None, salt: str | None) -> str | None:
+    """What the engine isolates cross-request state by (prefix-cache blocks, suffix decoding's
+    output cache): the API key's tenant and the request's cache_salt. None (no key, no salt) is
+    the anonymous tenant, which shares the prefix cache (engine/request.py)."""
+    parts = [p for p in (tenant, salt and "salt:" + salt) if p]
+    return "/".join(parts) or None
+
+
+def _too_long(param: str, num_chars: int, limit: int, max_model_len: int) -> ApiError:
+    return ApiError(400, f"{param} has {num_chars} characters; at most {limit} fit this model's "
+                         f"context of {max_model_len} tokens", param=param,
+                    code="context_length_exceeded")
 
 
 def _sse(payload: dict) -> str:

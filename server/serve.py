@@ -17,9 +17,11 @@ import uvicorn
 from engine.engine_args import EngineArgs
 from engine.messages import StepStats
 from engine.models.loader import load_tokenizer
+from server.api_key import key_tenant
 from server.app import ServerState, build_app
-from server.body_limit import DEFAULT_MAX_BODY_BYTES
+from server.body_limit import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
 from server.engine_client import EngineClient
+from server.http_protocol import DEFAULT_MAX_CONNECTIONS, limited_h11_protocol
 from server.metrics import ServerMetrics
 from server.openai_serving import OpenAIServing
 
@@ -32,7 +34,8 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # each key is its own tenant; empty: no key is asked for
+    api_keys: tuple[str, ...] = ()
     served_model_name: str | None = None
     # choices sent to the engine with no token yet; beyond this, new requests get 429
     max_waiting_requests: int = 256
@@ -40,6 +43,10 @@ class ServerArgs:
     drain_timeout: float = 30.0
     # larger request bodies get 413 before they are parsed
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # seconds a client has for its request headers, and again for its body (then 408)
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    # open connections beyond this get 503 and are closed
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
     log_level: str = "info"
 
 
@@ -110,20 +117,25 @@ async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         metrics = ServerMetrics(name, ready.speculative_method, ready.num_speculative_tokens)
         callbacks.metrics = metrics
         tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
-        serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests,
-                                server_args.api_key)
-        state = ServerState(client, serving, metrics, server_args.api_key,
-                            max_body_bytes=server_args.max_body_bytes)
+        serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests)
+        state = ServerState(client, serving, metrics, server_args.api_keys,
+                            max_body_bytes=server_args.max_body_bytes,
+                            read_timeout=server_args.read_timeout)
         method = ready.speculative_method or "none"
         logger.info("engine ready: %s as %r, %s on %s, context %d, %d KV blocks of %d tokens",
                     ready.model_name, name, ready.dtype, ready.device, ready.max_model_len,
                     ready.num_kv_blocks, ready.block_size)
         logger.info("speculation: %s%s", method,
                     f" (k = {ready.num_speculative_tokens})" if ready.speculative_method else "")
+        if server_args.api_keys:  # NOTE: tenants by digest; a key itself is never logged
+            logger.info("API keys: %d, each its own cache tenant (%s)", len(server_args.api_keys),
+                        ", ".join(key_tenant(key) for key in server_args.api_keys))
         logger.info("serving the OpenAI API on http://%s:%d/v1", server_args.host, server_args.port)
         config = uvicorn.Config(build_app(state), host=server_args.host, port=server_args.port,
                                 log_level=server_args.log_level, lifespan="off",
-                                timeout_graceful_shutdown=server_args.drain_timeout)
+                                timeout_graceful_shutdown=server_args.drain_timeout,
+                                http=limited_h11_protocol(server_args.read_timeout,
+                                                          server_args.max_connections))
         server = DrainingServer(config, state)
         callbacks.server = server
         if not client.is_alive:

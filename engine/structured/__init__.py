@@ -11,6 +11,7 @@ from engine.structured.bitmask import (
 from engine.structured.compiler import (
     CompiledGrammar,
     GrammarCompiler,
+    check_grammar_support,
     check_response_format,
 )
 from engine.structured.errors import (
@@ -34,6 +35,7 @@ __all__ = [
     "allocate_token_bitmask",
     "apply_token_bitmask_",
     "bitmask_to_bool",
+    "check_grammar_support",
     "check_response_format",
     "fill_batch_masks",
     "num_bitmask_words",

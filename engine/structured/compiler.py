@@ -5,9 +5,11 @@ our random-walk measurement; it refuses the schema features it cannot enforce in
 them; it tells how many draft tokens a grammar accepts without moving; and it fills the masks of all
 draft positions of a batch in one call that runs without the GIL.
 
-Two entry points:
-- `check_response_format(value)`: shape and schema support, no tokenizer (~0.1 ms), for the server to
-  answer 400 before a request reaches the engine;
+Entry points:
+- `parse_response_format(value)` (response_format.py): the shape, size and depth, in microseconds;
+- `check_grammar_support(fmt)`: whether the schema can be enforced, no tokenizer (0.1 ms, up to ~1 s
+  for a large schema; llguidance releases the GIL, so the server runs it on a thread);
+- `check_response_format(value)`: both, for the server to answer 400 before the engine sees it;
 - `GrammarCompiler(tokenizer, eos_token_ids)`: per engine, the tokenizer's view built once (~1 s);
   `compile(fmt)` / `new_state(fmt, eos_token_ids)` for each request.
 """
@@ -51,11 +53,15 @@ def check_response_format(value: Any) -> ResponseFormat | None:
     ResponseFormatError, a ValueError, with param = "response_format")."""
     fmt = parse_response_format(value)
     if fmt is not None:
-        grammar = grammar_text(fmt)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-        if is_error:
-            raise _unsupported(fmt, messages[0])
+        check_grammar_support(fmt)
     return fmt
+
+
+def check_grammar_support(fmt: ResponseFormat) -> None:
+    """Raise UnsupportedSchemaError unless the grammar can enforce `fmt` exactly."""
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(fmt))
+    if is_error:
+        raise _unsupported(fmt, messages[0])
 
 
 def grammar_text(fmt: ResponseFormat) -> str:
@@ -90,7 +96,8 @@ class CompiledGrammar:
 class GrammarCompiler:
     """Compiles response formats for one tokenizer, keeping the last `cache_size` compiled grammars.
 
-    Safe to call from several threads (one lock around the cache and the compile)."""
+    Safe to call from several threads: a lock guards the cache, and compiles run outside it (the
+    library releases the GIL while compiling), so a slow schema does not hold up a cached one."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: Iterable[int], *,
                  cache_size: int = 128) -> None:
@@ -126,11 +133,13 @@ class GrammarCompiler:
                 self.num_hits += 1
                 return compiled
             self.num_misses += 1
-            compiled = self._compile(fmt)
+        # NOTE: two threads may compile one key at once; both results are equal, one is kept
+        compiled = self._compile(fmt)
+        with self._lock:
             self._cache[key] = compiled
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-            return compiled
+        return compiled
 
     def compile_key(self, key: str) -> CompiledGrammar:
         """compile() from a ResponseFormat.key (what crosses the process queue)."""

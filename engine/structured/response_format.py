@@ -21,9 +21,12 @@ from typing import Any, Literal
 
 from engine.structured.errors import InvalidResponseFormatError
 
-# a canonical schema longer than this is refused before any compiling (the compile runs in the
-# engine loop; the grammar library has its own limits on what a schema expands to)
-MAX_SCHEMA_CHARS = 100_000
+# a schema whose canonical JSON is longer than this (UTF-8 bytes) is refused before any compiling
+# (the grammar library has its own limits on what a schema expands to)
+MAX_SCHEMA_BYTES = 100_000
+# objects and arrays nested deeper than this are refused before anything walks the schema
+# recursively (a schema ~950 deep overflowed Python's stack: a 500); real schemas nest < 20 deep
+MAX_SCHEMA_DEPTH = 64
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for json_schema.name
 _FORMAT_KEYS = {"type", "json_schema"}
 _JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
@@ -109,6 +112,10 @@ def _parse_json_schema(spec: Any) -> ResponseFormat:
     if not isinstance(schema, Mapping):
         raise _invalid(f"{where}.schema must be a JSON object (a JSON schema), "
                        f"got {type(schema).__name__}")
+    depth = nesting_depth(schema, MAX_SCHEMA_DEPTH)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise _invalid(f"{where}.schema is nested too deeply (more than {MAX_SCHEMA_DEPTH} levels "
+                       f"of objects and arrays; at most {MAX_SCHEMA_DEPTH})")
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise _invalid(f"{where}.strict must be a boolean")
@@ -118,13 +125,29 @@ def _parse_json_schema(spec: Any) -> ResponseFormat:
     parsed = ResponseFormat(type="json_schema", schema=_plain(schema, f"{where}.schema"),
                             name=name, strict=strict)
     try:
-        size = len(parsed.key)
+        size = len(parsed.key.encode())
     except ValueError as error:  # NaN or infinity somewhere in the schema
         raise _invalid(f"{where}.schema is not valid JSON: {error}") from None
-    if size > MAX_SCHEMA_CHARS:
-        raise _invalid(f"{where}.schema is too large ({size} characters of JSON; "
-                       f"at most {MAX_SCHEMA_CHARS})")
+    if size > MAX_SCHEMA_BYTES:
+        raise _invalid(f"{where}.schema is too large ({size} bytes of JSON; "
+                       f"at most {MAX_SCHEMA_BYTES})")
     return parsed
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deep objects and arrays nest in `value` (a scalar: 0), walked without recursion; stops
+    counting at limit + 1, so a hostile value costs at most its size."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (Mapping, list, tuple)):
+            continue
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        children = item.values() if isinstance(item, Mapping) else item
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def canonical_schema(schema: Any) -> Any:

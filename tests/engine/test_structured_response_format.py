@@ -15,7 +15,7 @@ from engine.structured import (
     check_response_format,
     parse_response_format,
 )
-from engine.structured.response_format import MAX_SCHEMA_CHARS
+from engine.structured.response_format import MAX_SCHEMA_BYTES
 
 PERSON = {"type": "object",
           "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0}},
@@ -69,7 +69,7 @@ MALFORMED = [
     ("unknown json_schema key", json_schema(PERSON, format="json"), "unknown field(s) format"),
     ("NaN in the schema", json_schema({"type": "number", "maximum": float("nan")}),
      "not valid JSON"),
-    ("schema too large", json_schema({"enum": ["x" * MAX_SCHEMA_CHARS]}), "too large"),
+    ("schema too large", json_schema({"enum": ["x" * MAX_SCHEMA_BYTES]}), "too large"),
 ]
 
 

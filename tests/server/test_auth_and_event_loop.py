@@ -23,9 +23,8 @@ def app_with_key(tokenizer=None):
     ready = EngineReady("tiny", 128, 96, "float32", "cpu", 8, 16, None, 0)
     client = SimpleNamespace(is_alive=True, ready=ready)
     metrics = ServerMetrics("tiny", None, 0)
-    serving = OpenAIServing(client, tokenizer, "tiny", metrics, max_waiting_requests=4,
-                            api_key=KEY)
-    return build_app(ServerState(client, serving, metrics, api_key=KEY)), serving
+    serving = OpenAIServing(client, tokenizer, "tiny", metrics, max_waiting_requests=4)
+    return build_app(ServerState(client, serving, metrics, api_keys=(KEY,))), serving
 
 
 async def call(app, path: str, headers: dict[str, str], body: bytes):
@@ -76,6 +75,9 @@ class SlowTemplateTokenizer:
     """A tokenizer whose chat template takes half a second of blocking work."""
 
     chat_template = "{{ messages }}"
+
+    def get_vocab(self) -> dict[str, int]:
+        return {"hi": 0}
 
     def apply_chat_template(self, messages, **_):
         time.sleep(0.5)
