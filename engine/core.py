@@ -28,7 +28,7 @@ from engine.scheduler import (
 from engine.spec_config import SpeculativeConfig
 from engine.step_isolation import propose_isolated, sample_isolated
 from engine.step_layout import DraftProposal, DraftTokens, StepLayout
-from engine.structured import GrammarCompiler, GrammarState
+from engine.structured import CompiledGrammar, GrammarCompiler, GrammarState
 from engine.worker import Worker
 
 
@@ -78,9 +78,11 @@ class EngineCore:
         self.last_step_stats = StepStats()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, grammar: CompiledGrammar | None = None) -> None:
         """`cache_salt` names the request's tenant: requests share cross-request state (suffix
-        decoding's output cache) only with requests of the same salt; None shares with nobody."""
+        decoding's output cache) only with requests of the same salt; None shares with nobody.
+        `grammar`: its response_format already compiled (off the engine loop, engine_process.py);
+        None compiles it here."""
         vocab_size = self.worker.arch.vocab_size
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
@@ -93,19 +95,28 @@ class EngineCore:
         request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
                           cache_salt=cache_salt)
         if params.response_format is not None:
-            request.grammar = self._grammar_state(params.response_format)
+            request.grammar = self._grammar_state(params.response_format, grammar)
         self.scheduler.add_request(request)
 
-    def _grammar_state(self, response_format_key: str) -> GrammarState:
-        """A fresh grammar state for a request's format (compiled once per format, LRU-cached);
-        an unenforceable schema raises UnsupportedSchemaError, a ValueError."""
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The response_format compiler of this model's tokenizer, built at first use (~1 s);
+        thread-safe once built."""
         if self._grammar_compiler is None:
             if self.worker.tokenizer is None:
                 raise ValueError("response_format needs the model's tokenizer, and this model "
                                  "was loaded without one")
             self._grammar_compiler = GrammarCompiler(self.worker.tokenizer, self.eos_token_ids)
-        return self._grammar_compiler.compile_key(response_format_key).new_state(
-            self.eos_token_ids)
+        return self._grammar_compiler
+
+    def _grammar_state(self, response_format_key: str,
+                       compiled: CompiledGrammar | None = None) -> GrammarState:
+        """A fresh grammar state for a request's format (compiled once per format, LRU-cached);
+        an unenforceable schema raises UnsupportedSchemaError, a ValueError."""
+        if compiled is None:
+            compiled = self.grammar_compiler().compile_key(response_format_key)
+        elif compiled.key != response_format_key:
+            raise ValueError("the compiled grammar is not the request's response_format")
+        return compiled.new_state(self.eos_token_ids)
 
     def abort(self, request_ids: list[str]) -> list[RequestUpdate]:
         updates = [u for u in map(self.scheduler.abort, request_ids) if u is not None]

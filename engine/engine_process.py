@@ -29,11 +29,15 @@ from engine.messages import (
 )
 from engine.sampling_params import SamplingParams
 from engine.scheduler import RequestUpdate
+from engine.structured.compile_pool import GrammarCompilePool
+from engine.structured.compiler import CompiledGrammar
 
 logger = logging.getLogger("specserve.engine")
 
 # how long an idle engine waits for a message before checking that its parent is still alive
 IDLE_POLL_MS = 200
+# how often an engine with nothing to step but a grammar compiling looks for the compile's end
+COMPILE_POLL_MS = 2
 
 
 def run_engine_process(args: EngineArgs, input_address: str, output_address: str,
@@ -78,18 +82,29 @@ class EngineLoop:
         self.inbox = inbox
         self.outbox = outbox
         self.parent_pid = parent_pid
+        # AddRequests whose response_format grammar compiles on a thread, off this loop
+        self.grammars: GrammarCompilePool[AddRequest] = GrammarCompilePool(core.grammar_compiler)
 
     def run(self) -> None:
+        try:
+            self._run()
+        finally:
+            self.grammars.shutdown()
+
+    def _run(self) -> None:
         while True:
             if os.getppid() != self.parent_pid:
                 logger.warning("the server process is gone; the engine exits")
                 return
             # NOTE: never block while requests are running; an idle engine sleeps in poll()
-            timeout = 0 if self.core.has_unfinished else IDLE_POLL_MS
+            timeout = 0 if self.core.has_unfinished else (
+                COMPILE_POLL_MS if self.grammars.has_pending else IDLE_POLL_MS)
             while self.inbox.poll(timeout):
                 if not self._handle(decode(self.inbox.recv())):
                     return
                 timeout = 0
+            for message, grammar in self.grammars.take_finished():
+                self._add(message, grammar)
             if self.core.has_unfinished:
                 updates = self.core.step()
                 self._send(EngineOutputs([_delta(u) for u in updates], self.core.last_step_stats))
@@ -97,12 +112,13 @@ class EngineLoop:
     def _handle(self, message: object) -> bool:
         """Apply one message from the server; False means shut down."""
         if isinstance(message, AddRequest):
-            try:
-                self.core.add_request(message.request_id, message.prompt_token_ids,
-                                      SamplingParams(**message.params), message.cache_salt)
-            except (ValueError, TypeError) as error:
-                self._send(RequestRejected(message.request_id, str(error)))
+            response_format = message.params.get("response_format")
+            if isinstance(response_format, str):  # NOTE: compiled off this loop, added when done
+                self.grammars.submit(message.request_id, response_format, message)
+            else:
+                self._add(message)
         elif isinstance(message, AbortRequests):
+            self.grammars.cancel(message.request_ids)
             updates = self.core.abort(message.request_ids)
             if updates:
                 self._send(EngineOutputs([_delta(u) for u in updates], self.core.gauge_snapshot()))
@@ -111,6 +127,19 @@ class EngineLoop:
         else:
             raise TypeError(f"unexpected message {type(message).__name__}")
         return True
+
+    def _add(self, message: AddRequest, grammar: CompiledGrammar | Exception | None = None) -> None:
+        """Into the scheduler; a request the engine cannot run (bad values, a grammar that did
+        not compile) is refused alone."""
+        if isinstance(grammar, Exception):  # whatever the library raised: this request's alone
+            self._send(RequestRejected(message.request_id, str(grammar)))
+            return
+        try:
+            self.core.add_request(message.request_id, message.prompt_token_ids,
+                                  SamplingParams(**message.params), message.cache_salt,
+                                  grammar=grammar)
+        except (ValueError, TypeError) as error:
+            self._send(RequestRejected(message.request_id, str(error)))
 
     def _send(self, message: object) -> None:
         self.outbox.send(encode(message))
