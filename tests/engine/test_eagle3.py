@@ -1,8 +1,9 @@
 """EAGLE-3 heads as they are published (the EAGLE authors' layout and vLLM's speculators layout),
 built small and random with the real key names, config fields and shapes: the published math is read
 right (against an independent reading of the saved tensors), the target's features come from the
-named layers, output is lossless (greedy identical, sampled distribution unchanged), and a head made
-for another model is refused at start-up."""
+named layers, greedy output is lossless (with a random head, and with one built from the target's
+weights whose drafts are mostly accepted), and a head made for another model is refused at start-up.
+Sampling with EAGLE-3 drafts: tests/engine/test_sampling_distribution.py."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from bigram_drafters import (
 )
 from reference_attention import reference_self_attention
 from safetensors.torch import save_file
-from spec_outputs import pooled_acceptance_rate, third_token_law, token_ids, two_sample_chi2_pvalue
+from spec_outputs import pooled_acceptance_rate, token_ids
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
@@ -266,21 +267,6 @@ def test_greedy_is_lossless_when_the_drafts_are_mostly_right(tmp_path):
                                                     params)
     assert token_ids(outs) == want
     assert_often_right(outs)
-
-
-def test_sampled_distribution_is_unchanged(tmp_path):
-    """Token 3 of the output, mostly verified from EAGLE-3 drafts: the same distribution with and
-    without speculation (two-sample chi-square over 2000 seeded completions each)."""
-    path = build_tiny_checkpoint(tmp_path / "t", "llama", seed=11, vocab_size=12,
-                                 initializer_range=0.05, num_hidden_layers=4)
-    arch = LlamaArch.from_hf_config(load_checkpoint(path, torch.float32).hf_config)
-    folder = write_head(str(tmp_path / "h"), arch, "speculators", 12, seed=3)
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    plain, _ = third_token_law(path, None, prompt, 2000)
-    spec = {"method": "eagle3", "model": folder, "num_speculative_tokens": 3}
-    speculative, outs = third_token_law(path, spec, prompt, 2000)
-    assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 100
-    assert two_sample_chi2_pvalue(plain, speculative) > 1e-4, (plain, speculative)
 
 
 # ---- refused at start-up -----------------------------------------------------------------------

@@ -9,6 +9,10 @@ recovered or a bonus token), must be a draw from P[previous token] after the req
 top-k and top-p. Because the previous token changes from position to position, a row of p or q taken
 from the wrong position shows up too. P comes from transformers in float64, and the transforms are
 written out here rather than borrowed from engine/.
+
+Every other proposer (suffix chains and trees, EAGLE, EAGLE-3, the MLP speculator) is checked the
+same way, unseeded, with tokens enough for a 2% TV error, each beside a broken sampler that the
+same check must reject in the same run.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ K = 3
 
 # ---- the requirement: what the check must catch, and how rarely it may fail a correct engine ----
 EPSILON = 0.01
+# the other proposers' cases (below): 26-21k tokens each
+OTHER_EPSILON = 0.02
 ALPHA = 1e-3
 POWER = 0.95
 
@@ -205,22 +211,26 @@ class Sample:
     num_accepted_tokens: int
 
 
-def sample(target: str, case: Case, target_probs: torch.Tensor, seed: int,
-           speculative_config: dict | None = None, fraction: float = 1.0) -> Sample:
-    """Seeded completions of PROMPT, all in one batched generate call: MAX_TOKENS tokens each, and
-    enough completions for required_num_tokens (times `fraction`).
+def sample(target: str, case: Case, target_probs: torch.Tensor, seed: int | None,
+           speculative_config: dict | None = None, fraction: float = 1.0,
+           epsilon: float = EPSILON) -> Sample:
+    """Seeded (or, with seed None, unseeded: the engine's own random stream, started from
+    torch.manual_seed(0) here) completions of PROMPT, all in one batched generate call:
+    MAX_TOKENS tokens each, and enough completions for required_num_tokens (times `fraction`).
 
     NOTE: every token is a sample, not only the first: the bigram's p is known at each position.
     Single-token requests would cost ~MAX_TOKENS times more, since the engine's cost is per request
     per step (about 100 us on the CPU), and a case needs 80-105k tokens."""
     num_completions = math.ceil(
-        fraction * required_num_tokens(degrees_of_freedom(target_probs)) / MAX_TOKENS)
+        fraction * required_num_tokens(degrees_of_freedom(target_probs), epsilon) / MAX_TOKENS)
     llm = LLM(target, dtype="float64", num_threads=1, max_model_len=64, block_size=64,
               num_kv_blocks=num_completions + 8, max_num_seqs=num_completions,
               max_num_batched_tokens=num_completions * len(PROMPT),
               speculative_config=speculative_config)
     params = SamplingParams(temperature=case.temperature, top_k=case.top_k, top_p=case.top_p,
                             max_tokens=MAX_TOKENS, ignore_eos=True, n=num_completions, seed=seed)
+    if seed is None:
+        torch.manual_seed(0)
     [out] = llm.generate({"prompt_token_ids": PROMPT}, params)
     token_rows = np.array([c.token_ids for c in out.outputs], dtype=np.int64)
     assert token_rows.shape == (num_completions, MAX_TOKENS)
@@ -230,10 +240,11 @@ def sample(target: str, case: Case, target_probs: torch.Tensor, seed: int,
                   sum(s.num_accepted_draft_tokens for s in stats if s is not None))
 
 
-def assert_follows_target(result: Sample, target_probs: torch.Tensor) -> None:
+def assert_follows_target(result: Sample, target_probs: torch.Tensor,
+                          epsilon: float = EPSILON) -> None:
     verdict = chain_verdict(result.counts, target_probs)
     assert verdict.min_expected >= 5, verdict
-    assert verdict.num_tokens >= required_num_tokens(verdict.df), verdict
+    assert verdict.num_tokens >= required_num_tokens(verdict.df, epsilon), verdict
     assert not verdict.rejects, f"emitted tokens do not follow the target: {verdict}"
 
 
@@ -366,3 +377,86 @@ def test_a_broken_sampler_is_caught(target, draft, target_logits, monkeypatch, b
     result = sample(target, case, probs, seed=9_000_000, speculative_config=config, fraction=0.1)
     verdict = chain_verdict(result.counts, probs)
     assert verdict.rejects, f"{bug} went unnoticed: {verdict}"
+
+
+# ---- every other proposer, unseeded, each beside a broken sampler that must fail -------------
+# NOTE: these catch a 2% TV error with 95% power (a quarter of the tokens a 1% error needs, since
+# N grows as 1 / eps^2): the drafters' Python per request and step makes each token dearer here.
+# Unseeded: seeded requests with one-hot drafts are decided by their keyed inverse CDF, not
+# by rejection sampling; the rejection sampler is what these cases check, draft by draft
+@pytest.fixture(scope="module")
+def deep_target(tmp_path_factory) -> str:
+    """The same bigram model with 3 (inert) layers: EAGLE-3 reads three layers' streams."""
+    return build_bigram_checkpoint(tmp_path_factory.mktemp("bigram_deep"), TARGET_LOGITS,
+                                   num_layers=3)
+
+
+def drafter_folder(method: str, target: str, folder: str) -> str | None:
+    """A random head of `method` for the bigram target (q far from p: both outcomes are common)."""
+    from engine.models.arch import LlamaArch
+    from engine.models.loader import load_checkpoint
+    from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
+    from engine.proposers.eagle_head import EagleConfig, EagleHead
+    from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+
+    arch = LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+    torch.manual_seed(5)
+    if method == "eagle":
+        head = EagleHead(EagleConfig.for_target(arch, VOCAB), arch)
+        head.draft_token_ids.copy_(torch.arange(VOCAB))
+        head.save(folder)
+    elif method == "eagle3":
+        config = Eagle3Config.for_target(arch, VOCAB, (0, 1, 2))
+        head3 = Eagle3Head(config, config.layer_arch(arch), has_embeddings=False)
+        head3.draft_token_ids.copy_(torch.arange(VOCAB))
+        head3.save(folder, "test")
+    elif method == "mlp_speculator":
+        MLPSpeculator(MLPSpeculatorConfig(arch.hidden_size, VOCAB, K)).save(folder)
+    else:
+        return None
+    return folder
+
+
+OTHER_SPEC_CASES = {
+    # one-hot drafts from the suffix trees of the prompt and the output so far
+    "suffix": (Case(temperature=1.0), {"method": "suffix", "num_speculative_tokens": K}),
+    # one-hot trees: several continuations verified at once, multi-draft rejection sampling
+    "suffix_tree": (Case(temperature=1.3, top_k=3),
+                    {"method": "suffix", "num_speculative_tokens": 6, "draft_tree": True}),
+    # drafts sampled from the heads' own q
+    "eagle": (Case(temperature=0.7), {"method": "eagle", "num_speculative_tokens": K}),
+    "eagle3": (Case(temperature=1.0, top_k=3), {"method": "eagle3", "num_speculative_tokens": K}),
+    "mlp_speculator": (Case(temperature=1.0),
+                       {"method": "mlp_speculator", "num_speculative_tokens": K}),
+}
+
+
+@pytest.mark.parametrize("method", OTHER_SPEC_CASES)
+def test_every_proposer_samples_the_target_and_a_broken_sampler_is_caught(
+        deep_target, target_logits, tmp_path, monkeypatch, method):
+    """Unseeded speculative sampling follows the target (the same check as above, with tokens
+    enough to catch a 2% TV error with 95% power), most tokens come through verification with
+    both outcomes common, and in the same run the same check rejects a sampler that draws a
+    rejected draft's replacement from p instead of the residual (a 7-10% TV error, on a fifth of
+    the tokens)."""
+    case, config = OTHER_SPEC_CASES[method]
+    folder = drafter_folder(method, deep_target, str(tmp_path / "drafter"))
+    config = {**config, "model": folder} if folder else config
+    probs = reference_probs(target_logits, case)
+    result = sample(deep_target, case, probs, seed=None, speculative_config=config,
+                    epsilon=OTHER_EPSILON)
+    assert_follows_target(result, probs, OTHER_EPSILON)
+    num_rejected = result.num_draft_tokens - result.num_accepted_tokens
+    num_tokens = int(result.counts.sum())
+    assert result.num_accepted_tokens > 0.1 * num_tokens, result
+    assert num_rejected > 0.1 * num_tokens, result
+
+    import kernels.tree_rejection as tree_module
+
+    is_tree = config.get("draft_tree", False)
+    monkeypatch.setattr(tree_module if is_tree else reference_module, "recovery_weights",
+                        recover_from_p)
+    broken = sample(deep_target, case, probs, seed=None, speculative_config=config,
+                    fraction=0.2, epsilon=OTHER_EPSILON)
+    verdict = chain_verdict(broken.counts, probs)
+    assert verdict.rejects, f"{method}: recovering from p went unnoticed: {verdict}"
