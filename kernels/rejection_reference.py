@@ -29,7 +29,14 @@ Temperature, top-k and top-p have already been applied by the caller, the same w
 token outside the truncated p is then simply rejected). All randomness comes in as arguments: k acceptance
 uniforms per request, and one uniform per row of p for the inverse-CDF draw of the token emitted at that
 row if it is the recovered or bonus one (2k + 1 uniforms per request). So the Triton kernel in
-`rejection_triton.py` is checked against this function exactly, given the same random numbers.
+`rejection_triton.py` is checked against this function exactly, given the same random numbers. (The
+engine keys a seeded request's uniforms by seed and output position, engine/sample/keyed_random.py,
+and decides a seeded request with one-hot drafts as a greedy one whose target_argmax is the token the
+inverse CDF gives at each row: this function needs no random path of its own for either.)
+
+p and q are finite and >= 0 (NaN has no fixed-point value): a row of p whose logits left no probability
+(all -inf, or NaN / +inf after temperature) comes in as zeros, and the token it emits is then
+target_argmax there, the argmax of the row's processed logits, which the caller passes for every row.
 
 The inverse CDF works on probabilities turned into integers with FIXED_POINT_BITS fractional bits: integer
 sums are exact in any order, so this cumsum and Triton's blocked scan see the same CDF. A weight below
@@ -54,7 +61,8 @@ def rejection_sample(
     draft_probs: Tensor | None,  # [num_draft_tokens, vocab_size] float32 q, or None: one-hot drafts
     target_probs: Tensor | None,  # [num_draft_tokens + batch, vocab_size] float32 p, k_i + 1 rows per
     # request; None when every request is greedy (no row of p is read for a greedy request)
-    target_argmax: Tensor,  # [num_draft_tokens + batch] int64, argmax of each row of p (greedy rows)
+    target_argmax: Tensor,  # [num_draft_tokens + batch] int64, each row's argmax (greedy's token; the
+    # token of a random row of p without mass)
     is_greedy: Tensor,  # [batch] bool
     acceptance_uniforms: Tensor | None,  # [num_draft_tokens] float32 or float64 in [0, 1)
     sample_uniforms: Tensor | None,  # [num_draft_tokens + batch] float32 or float64 in [0, 1), per row
@@ -67,7 +75,8 @@ def rejection_sample(
     p itself where that leaves no mass, i.e. p <= q up to rounding), p at the bonus position: the first
     token v with cdf[v] > min(floor(u * total), total - 1). A greedy request reads neither p, q nor any
     uniform: target_argmax decides everything. A random request reads target_argmax only at a row of p
-    without any mass, which a softmax never gives (callers may leave random requests' rows at 0).
+    without any mass (all zeros: the caller's stand-in for logits that left no probability), where a
+    draft is never accepted (u * q < 0 fails) and the emitted token is target_argmax.
     """
     _validate(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, target_argmax,
               is_greedy, acceptance_uniforms, sample_uniforms, max_spec_len)

@@ -157,7 +157,8 @@ def _final_token_kernel(
             chosen = tl.minimum(chosen, first_hit)
             carry += tl.sum(fixed, axis=0)
         width = max_spec_len + 1
-        # NOTE: a row of p without any mass (never after a softmax) keeps what _accept_kernel wrote
+        # NOTE: a row of p without any mass (the caller zeroes rows whose logits left no probability)
+        # keeps what _accept_kernel wrote: target_argmax, the argmax of the row's processed logits
         tl.store(output_token_ids_ptr + request.to(tl.int64) * width + num_accepted,
                  chosen.to(tl.int64), mask=total_mass > 0)
 

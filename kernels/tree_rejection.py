@@ -13,7 +13,8 @@ chain gets exactly the chain sampler's tokens:
   the residual stays as it was (the chain sampler's "p itself when p <= q");
 - a child with token x is accepted when (u * q(x)) * s < d(x): the chain's u * q < p when s = 1;
 - the recovered or bonus token is the chain's inverse CDF of d's fixed-point weights at the sample
-  uniform of the node's row, target_argmax there when d has no mass.
+  uniform of the node's row, target_argmax there when d has no mass (a row of p the caller zeroed
+  because its logits left no probability: target_argmax is then the argmax of its processed logits).
 Every sum is over integers, exact in any order, so a kernel summing in tiles finds the same tokens.
 NOTE: verify_tree normalises in float64 before its fixed-point draw. The two agree but at rounding
 boundaries and at the chain sampler's edges: q(x) = 0 accepts when p(x) > 0 (verify_tree: never); a

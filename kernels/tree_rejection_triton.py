@@ -162,7 +162,8 @@ def _tree_kernel(
                 chosen = tl.minimum(chosen, tl.min(tl.where(cdf > threshold, cols, vocab_size),
                                                    axis=0))
                 carry += tl.sum(fixed, axis=0)
-            # NOTE: a row without any mass (never after a softmax) keeps target_argmax's token
+            # NOTE: a row without any mass (logits that left no probability: p comes in as zeros)
+            # keeps target_argmax's token, the argmax of the row's processed logits
             next_token_id = tl.where(mass > 0, chosen.to(tl.int64), next_token_id)
     tl.store(output_token_ids_ptr + request * width + num_accepted, next_token_id)
 

@@ -125,6 +125,38 @@ def test_an_empty_residual_falls_back_to_p(has_draft_probs: bool) -> None:
     assert expected.tolist() == [[1 if has_draft_probs else 2, -1]]
 
 
+@pytest.mark.parametrize("has_draft_probs", [True, False], ids=["q", "one_hot"])
+def test_rows_without_mass_emit_target_argmax(has_draft_probs: bool) -> None:
+    """Rows of p that the sampler zeroed (logits that left no probability): no draft is kept from
+    them and the token is target_argmax there, never token 0, in both implementations."""
+    args = random_inputs(MIXED_K, 40, has_draft_probs=has_draft_probs, greedy_fraction=0.25,
+                         seed=5)
+    num_rows = len(args["target_argmax"])
+    cu = args["cu_num_draft_tokens"]
+    num_drafts = torch.diff(cu, prepend=cu.new_zeros(1))
+    tested_at = torch.arange(len(args["draft_token_ids"])) + torch.repeat_interleave(
+        torch.arange(len(cu)), num_drafts)  # [num_draft_tokens] the row each draft is tested at
+    drafts = args["target_argmax"][tested_at]  # p's likeliest tokens: often kept where p has mass
+    empty = torch.arange(num_rows) % 3 == 0  # [num_rows] a third of the rows
+    peaked = args["target_probs"] ** 4  # same argmax, kept more often
+    probs = (peaked / peaked.sum(dim=-1, keepdim=True)).masked_fill(empty[:, None], 0.0)
+    argmax = torch.where(empty, 1 + torch.arange(num_rows) % 39, args["target_argmax"])
+    args = dict(args, draft_token_ids=drafts, target_probs=probs, target_argmax=argmax)
+    expected = reference(**args)
+    assert torch.equal(rejection_triton.rejection_sample(**args), expected)
+    cu = args["cu_num_draft_tokens"].tolist()
+    for request, (start, end) in enumerate(zip([0] + cu, cu)):
+        if args["is_greedy"][request]:
+            continue
+        num_kept = int((expected[request] >= 0).sum()) - 1
+        rows = range(start + request, start + request + num_kept + 1)
+        assert not any(empty[r] for r in rows[:-1]), "a draft was kept from a row without mass"
+        if empty[rows[-1]]:
+            assert expected[request, num_kept] == argmax[rows[-1]] != 0
+    random = ~args["is_greedy"]
+    assert int((expected[random] >= 0).sum()) >= int(random.sum()) + 3  # drafts were kept
+
+
 @pytest.mark.parametrize("num_drafts", [[0, 0, 0], []], ids=["all_k_0", "empty_batch"])
 def test_no_drafts(num_drafts: list[int]) -> None:
     args = random_inputs(num_drafts, 10, has_draft_probs=True, greedy_fraction=0.5, seed=0)

@@ -76,6 +76,39 @@ def test_matches_reference_at_a_serving_vocab(has_draft_probs: bool) -> None:
     assert_matches_reference(args)
 
 
+@pytest.mark.parametrize("has_draft_probs", [True, False], ids=["q", "one_hot"])
+def test_rows_without_mass_emit_target_argmax(has_draft_probs: bool) -> None:
+    """Rows of p that the sampler zeroed (logits that left no probability): no draft is kept from
+    them and the token is target_argmax there, never token 0, in both implementations."""
+    args = random_tree_inputs(MIXED, 40, has_draft_probs=has_draft_probs, greedy_fraction=0.0,
+                              seed=5)
+    num_rows = len(args["target_argmax"])
+    cu = args["cu_num_draft_tokens"]
+    num_drafts = torch.diff(cu, prepend=cu.new_zeros(1))
+    root_row = (cu - num_drafts + torch.arange(len(cu))).repeat_interleave(num_drafts)
+    tested_at = root_row + args["draft_parents"] + 1  # [num_draft_tokens] the parent's row
+    drafts = args["target_argmax"][tested_at]  # p's likeliest tokens: often kept where p has mass
+    empty = torch.arange(num_rows) % 3 == 1  # [num_rows] a third of the rows, roots included
+    peaked = args["target_probs"] ** 4  # same argmax, kept more often
+    probs = (peaked / peaked.sum(dim=-1, keepdim=True)).masked_fill(empty[:, None], 0.0)
+    argmax = torch.where(empty, 1 + torch.arange(num_rows) % 39, args["target_argmax"])
+    args = dict(args, draft_token_ids=drafts, target_probs=probs, target_argmax=argmax)
+    output, accepted = assert_matches_reference(args)
+    cu = args["cu_num_draft_tokens"].tolist()
+    for request, (start, end) in enumerate(zip([0] + cu, cu)):
+        if args["is_greedy"][request]:
+            continue
+        kept = [d for d in accepted[request].tolist() if d >= 0]
+        row = start + request + (kept[-1] + 1 if kept else 0)  # the row that emitted the token
+        # the rows each kept draft was tested at: the root's, then the previous kept draft's
+        parent_rows = [start + request + (d + 1 if d >= 0 else 0) for d in [-1] + kept[:-1]]
+        parent_rows = parent_rows[:len(kept)]
+        assert not any(empty[r] for r in parent_rows), "a draft was kept from a row without mass"
+        if empty[row]:
+            assert output[request, len(kept)] == argmax[row] != 0
+    assert int((accepted >= 0).sum()) >= 3  # drafts were kept
+
+
 def test_all_greedy_needs_no_probabilities() -> None:
     args = random_tree_inputs(MIXED, 50, has_draft_probs=False, greedy_fraction=1.0, seed=1)
     output_token_ids, _ = assert_matches_reference(

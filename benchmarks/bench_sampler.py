@@ -1,0 +1,115 @@
+"""The target sampler's cost per row (engine/sample/rejection.RejectionSampler, the whole step:
+processing, p, uniforms, kernels, the output transfer), unseeded beside seeded, now beside an
+earlier commit's, from one run: `python -m benchmarks.bench_sampler [--before REV]`.
+
+--before REV exports that commit (`git archive`) into a temporary folder and times the same cases
+there in a subprocess, so the two columns come from the same machine and the same minutes. Cases:
+batch 8 at vocabulary 49152 (SmolLM's), k 0 (plain decoding) and k 5 (one-hot drafts, n-gram
+style, half of them right), temperature 0.8 with top-p 0.95 (the sort is most of p's cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = [(8, 0), (8, 5)]  # (batch, k)
+VOCAB = 49152
+MODES = ("unseeded", "seeded")
+
+
+def time_case(batch: int, k: int, seeded: bool, repeats: int, device: str) -> float:
+    """Median seconds of one sampler step over `batch` requests with k one-hot drafts each."""
+    from engine.request import Request
+    from engine.sample.rejection import RejectionSampler
+    from engine.sampling_params import SamplingParams
+    from engine.scheduler import ScheduledRequest
+    from engine.step_layout import StepLayout
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(batch * (k + 1), VOCAB, generator=gen) * 4  # [rows, vocab]
+    argmax = logits.argmax(dim=-1).tolist()
+    items = []
+    for i in range(batch):
+        params = SamplingParams(temperature=0.8, top_p=0.95, seed=i if seeded else None)
+        request = Request(f"r{i}", [1, 2, 3], params, frozenset({0}))
+        request.output_token_ids = [5] * (10 + i)
+        # NOTE: half the drafts are the rows' argmax (likely kept), half are not
+        drafts = [argmax[i * (k + 1) + j] if j % 2 == 0 else 7 for j in range(k)]
+        items.append(ScheduledRequest(request, 1 + k, True, drafts))
+    logits = logits.to(device)
+    sampler = RejectionSampler()
+    times = []
+    for _ in range(repeats + 2):
+        # NOTE: the layout is built by the scheduler, outside the sampler's time, as in the engine
+        layout = StepLayout.build(items, torch.device(device))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        sampler(logits, layout)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def measure(repeats: int, device: str) -> dict[str, float]:
+    """{"batch,k,mode": microseconds per row}."""
+    results = {}
+    for batch, k in CASES:
+        for mode in MODES:
+            seconds = time_case(batch, k, mode == "seeded", repeats, device)
+            results[f"{batch},{k},{mode}"] = seconds / (batch * (k + 1)) * 1e6
+    return results
+
+
+def measure_at(revision: str, repeats: int, device: str, threads: int) -> dict[str, float]:
+    """The same measurement run by this script on `revision`'s engine, in a subprocess."""
+    with tempfile.TemporaryDirectory() as folder:
+        archive = subprocess.run(["git", "archive", revision], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+        env = {**os.environ, "PYTHONPATH": folder}
+        out = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--json", "--repeats", str(repeats),
+             "--device", device, "--threads", str(threads)],
+            cwd=folder, env=env, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", help="a git revision to time beside the working tree")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--json", action="store_true", help="print this tree's numbers as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.json:
+        print(json.dumps(measure(args.repeats, args.device)))
+        return
+    before = measure_at(args.before, args.repeats, args.device, args.threads) if args.before else {}
+    now = measure(args.repeats, args.device)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} thread(s)"
+    print(f"sampler cost per row, us (median of {args.repeats}), vocab {VOCAB}, {device}")
+    header = f"{'batch':>5} {'k':>2} {'mode':>9} {'now':>9}"
+    print(header + (f" {'before':>9} {'now/before':>10}" if before else ""))
+    for key, value in now.items():
+        batch, k, mode = key.split(",")
+        line = f"{batch:>5} {k:>2} {mode:>9} {value:>9.1f}"
+        if key in before:
+            line += f" {before[key]:>9.1f} {value / before[key]:>10.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
