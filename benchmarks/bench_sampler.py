@@ -5,7 +5,8 @@ earlier commit's, from one run: `python -m benchmarks.bench_sampler [--before RE
 --before REV exports that commit (`git archive`) into a temporary folder and times the same cases
 there in a subprocess, so the two columns come from the same machine and the same minutes. Cases:
 batch 8 at vocabulary 49152 (SmolLM's), k 0 (plain decoding) and k 5 (one-hot drafts, n-gram
-style, half of them right), temperature 0.8 with top-p 0.95 (the sort is most of p's cost).
+style, half of them right), temperature 0.8 with top-p 0.95 (the sort is most of p's cost) and
+without top-p (temperature alone: what the rest costs).
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = [(8, 0), (8, 5)]  # (batch, k)
+CASES = [(8, 0, 0.95), (8, 5, 0.95), (8, 0, 1.0), (8, 5, 1.0)]  # (batch, k, top_p)
 VOCAB = 49152
 MODES = ("unseeded", "seeded")
 
 
-def time_case(batch: int, k: int, seeded: bool, repeats: int, device: str) -> float:
+def time_case(batch: int, k: int, top_p: float, seeded: bool, repeats: int, device: str) -> float:
     """Median seconds of one sampler step over `batch` requests with k one-hot drafts each."""
     from engine.request import Request
     from engine.sample.rejection import RejectionSampler
@@ -41,7 +42,7 @@ def time_case(batch: int, k: int, seeded: bool, repeats: int, device: str) -> fl
     argmax = logits.argmax(dim=-1).tolist()
     items = []
     for i in range(batch):
-        params = SamplingParams(temperature=0.8, top_p=0.95, seed=i if seeded else None)
+        params = SamplingParams(temperature=0.8, top_p=top_p, seed=i if seeded else None)
         request = Request(f"r{i}", [1, 2, 3], params, frozenset({0}))
         request.output_token_ids = [5] * (10 + i)
         # NOTE: half the drafts are the rows' argmax (likely kept), half are not
@@ -62,12 +63,12 @@ def time_case(batch: int, k: int, seeded: bool, repeats: int, device: str) -> fl
 
 
 def measure(repeats: int, device: str) -> dict[str, float]:
-    """{"batch,k,mode": microseconds per row}."""
+    """{"batch,k,top_p,mode": microseconds per row}."""
     results = {}
-    for batch, k in CASES:
+    for batch, k, top_p in CASES:
         for mode in MODES:
-            seconds = time_case(batch, k, mode == "seeded", repeats, device)
-            results[f"{batch},{k},{mode}"] = seconds / (batch * (k + 1)) * 1e6
+            seconds = time_case(batch, k, top_p, mode == "seeded", repeats, device)
+            results[f"{batch},{k},{top_p},{mode}"] = seconds / (batch * (k + 1)) * 1e6
     return results
 
 
@@ -101,11 +102,11 @@ def main() -> None:
     now = measure(args.repeats, args.device)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} thread(s)"
     print(f"sampler cost per row, us (median of {args.repeats}), vocab {VOCAB}, {device}")
-    header = f"{'batch':>5} {'k':>2} {'mode':>9} {'now':>9}"
+    header = f"{'batch':>5} {'k':>2} {'top_p':>5} {'mode':>9} {'now':>9}"
     print(header + (f" {'before':>9} {'now/before':>10}" if before else ""))
     for key, value in now.items():
-        batch, k, mode = key.split(",")
-        line = f"{batch:>5} {k:>2} {mode:>9} {value:>9.1f}"
+        batch, k, top_p, mode = key.split(",")
+        line = f"{batch:>5} {k:>2} {top_p:>5} {mode:>9} {value:>9.1f}"
         if key in before:
             line += f" {before[key]:>9.1f} {value / before[key]:>10.2f}"
         print(line)

@@ -34,11 +34,10 @@ import torch
 
 from engine.sample.grammar import mask_step_logits
 from engine.sample.logprobs import compute_logprobs
-from engine.sample.sampler import draw_uniforms, process_logits, target_probs
+from engine.sample.sampler import draw_tokens, draw_uniforms, process_logits, target_probs
 from engine.scheduler import SampledTokens
 from engine.step_layout import StepLayout
 from kernels import PLACEHOLDER_TOKEN_ID, rejection_sample, tree_rejection_sample
-from kernels.rejection_reference import inverse_cdf, to_fixed_point
 
 NON_FINITE_LOGITS = ("the model produced non-finite logits (NaN or +inf) for this request; it "
                      "cannot be sampled")
@@ -55,14 +54,21 @@ class RejectionSampler:
         # NOTE: grammar masks first, on a copy: logprobs come from the raw logits
         masked = process_logits(mask_step_logits(logits, layout), metadata,
                                 layout.draft_token_ids)  # [num_rows, vocab]
-        # greedy's token, and the token of a random row of p without mass (never token 0)
-        largest, target_argmax = masked.max(dim=-1)  # [num_rows], [num_rows]
-        raw_largest = largest if masked is logits else logits.amax(dim=-1)  # [num_rows]
-        is_broken_row = ~(raw_largest < float("inf"))  # [num_rows] NaN or +inf among raw logits
+        # [num_rows] NaN or +inf among the raw logits (amax propagates NaN)
+        is_broken_row = ~(logits.amax(dim=-1) < float("inf"))
+        # greedy's token, and the token of a random row of p without mass (never token 0). NOTE: on
+        # the CPU, argmax costs about a softmax: a step without greedy rows takes it only at the
+        # rows without mass (a host sync is free there); on CUDA it is cheap and needs no sync
+        is_lazy = not (metadata.has_greedy or logits.is_cuda)
+        target_argmax = (torch.zeros(layout.num_rows, dtype=torch.int64, device=logits.device)
+                         if is_lazy else masked.argmax(dim=-1))  # [num_rows]
         is_greedy = metadata.is_greedy  # [batch]
         probs = acceptance_uniforms = sample_uniforms = None
         if not metadata.is_all_greedy:
             probs = target_probs(masked, metadata)  # [num_rows, vocab]
+            if is_lazy:
+                no_mass = (~(probs.amax(dim=-1) > 0)).nonzero()[:, 0]  # [num_no_mass]
+                target_argmax[no_mass] = masked[no_mass].argmax(dim=-1)
             acceptance_uniforms, sample_uniforms = draw_uniforms(
                 metadata, len(layout.draft_token_ids), layout.num_rows, logits.device)
             decided = [i for i in metadata.seeded_batch_indices
@@ -110,13 +116,12 @@ class RejectionSampler:
     def _decide_seeded(layout: StepLayout, decided: list[int], probs: torch.Tensor,
                        sample_uniforms: torch.Tensor, target_argmax: torch.Tensor) -> torch.Tensor:
         """Fix the token of every row of the seeded one-hot-draft requests `decided` (batch indices)
-        to the inverse CDF of p at the row's keyed sample uniform, written into target_argmax
+        to the inverse CDF of p at the row's keyed sample uniform (the kernels' fixed-point draw), written into target_argmax
         [num_rows] (a row without mass keeps its argmax); returns is_greedy [batch] with those
         requests marked greedy, so the kernels accept a draft iff it equals that token."""
         rows = torch.tensor([row for i in decided for row in layout.rows_of(i)],
                             device=probs.device)  # [num_decided_rows]
-        target_argmax[rows] = inverse_cdf(to_fixed_point(probs[rows]), sample_uniforms[rows],
-                                          target_argmax[rows])
+        target_argmax[rows] = draw_tokens(probs[rows], sample_uniforms[rows], target_argmax[rows])
         is_greedy = layout.sampling_metadata.is_greedy.clone()  # [batch]
         is_greedy[torch.tensor(decided, device=is_greedy.device)] = True
         return is_greedy

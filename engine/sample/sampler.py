@@ -84,8 +84,10 @@ def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
         logits = apply_top_k(logits, metadata.top_k[rows], metadata.max_top_k)
     if metadata.has_top_p:
         logits = apply_top_p(logits, metadata.top_p[rows])
-    probs = logits.softmax(dim=-1)  # [num_rows, vocab]
-    return probs.masked_fill_(~has_mass(logits)[:, None], 0.0)
+    # NOTE: a row whose largest logit is NaN or +inf, or that is all -inf, comes out of softmax all
+    # NaN (its denominator is NaN); zeros say "no mass" to the samplers, at a fraction of the cost
+    # of a masked fill
+    return logits.softmax(dim=-1).nan_to_num_(nan=0.0)  # [num_rows, vocab]
 
 
 def has_mass(logits: torch.Tensor) -> torch.Tensor:
@@ -121,6 +123,31 @@ def sample_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
         return int(probs.argmax())
     threshold = min(int(uniform * total), total - 1)  # NOTE: as kernels.rejection_reference.inverse_cdf
     return int(torch.searchsorted(cdf, cdf.new_tensor([threshold]), right=True))
+
+
+# vocabulary block of the two-level inverse CDF (draw_tokens)
+DRAW_BLOCK = 1024
+
+
+def draw_tokens(probs: torch.Tensor, uniforms: torch.Tensor,
+                fallback_token_ids: torch.Tensor) -> torch.Tensor:
+    """kernels.rejection_reference.inverse_cdf(to_fixed_point(probs), ...) token for token, in two
+    levels: a sum per DRAW_BLOCK tokens finds the block holding the draw, one block's cumsum the
+    token (exact integer sums, so the same first token whose CDF passes the threshold), at a
+    fraction of a full-row int64 cumsum's cost on the CPU. probs: [rows, vocab] float32 >= 0;
+    uniforms: [rows] float64; fallback_token_ids: [rows], the token of a row without mass."""
+    rows, vocab = probs.shape
+    fixed = torch.nn.functional.pad(to_fixed_point(probs), (0, -vocab % DRAW_BLOCK))
+    blocks = fixed.view(rows, -1, DRAW_BLOCK)  # [rows, num_blocks, DRAW_BLOCK]
+    block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [rows, num_blocks] exact
+    total = block_cdf[:, -1:]  # [rows, 1]
+    threshold = torch.minimum((uniforms[:, None].double() * total.double()).to(torch.int64),
+                              total - 1)  # [rows, 1] as inverse_cdf's
+    block = torch.searchsorted(block_cdf, threshold, right=True)  # [rows, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), 0)  # [rows, 1]
+    inner_cdf = before + blocks[torch.arange(rows, device=probs.device), block[:, 0]].cumsum(-1)
+    inner = torch.searchsorted(inner_cdf, threshold, right=True)  # [rows, 1]
+    return torch.where(total[:, 0] > 0, (block * DRAW_BLOCK + inner)[:, 0], fallback_token_ids)
 
 
 def draw_uniforms(metadata: SamplingMetadata, num_draft_tokens: int, num_rows: int,

@@ -11,10 +11,18 @@ import engine.sample.rejection as rejection_module
 from engine.request import Request
 from engine.sample.logprobs import compute_logprobs
 from engine.sample.rejection import RejectionSampler
-from engine.sample.sampler import apply_top_k_top_p, request_probs, sample_one, target_probs
+from engine.sample.sampler import (
+    DRAW_BLOCK,
+    apply_top_k_top_p,
+    draw_tokens,
+    request_probs,
+    sample_one,
+    target_probs,
+)
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SampledTokens, ScheduledRequest
 from engine.step_layout import StepLayout
+from kernels.rejection_reference import inverse_cdf, to_fixed_point
 
 EOS = 0
 VOCAB = 6
@@ -145,6 +153,22 @@ def test_sample_one_matches_p() -> None:
                             minlength=VOCAB)
     chisquare = pytest.importorskip("scipy.stats").chisquare
     assert chisquare(counts.tolist(), [p * num_draws for p in P]).pvalue > 1e-4
+
+
+@pytest.mark.parametrize("vocab", [7, DRAW_BLOCK, 3 * DRAW_BLOCK + 5])
+def test_draw_tokens_is_the_reference_inverse_cdf(vocab: int) -> None:
+    """The two-level draw finds the reference's token exactly: across block edges, at u = 0 and
+    u just below 1, on rows with zeros, and on rows without mass (the fallback)."""
+    gen = torch.Generator().manual_seed(vocab)
+    probs = (torch.randn(64, vocab, generator=gen) * 3).softmax(dim=-1)  # [64, vocab]
+    probs[::5] = torch.where(torch.rand(13, vocab, generator=gen) < 0.7, 0.0, probs[::5])
+    probs[7] = 0.0
+    uniforms = torch.rand(64, generator=gen, dtype=torch.float64)
+    uniforms[:2] = torch.tensor([0.0, 1 - 2**-53], dtype=torch.float64)
+    fallback = torch.arange(64) + 1
+    expected = inverse_cdf(to_fixed_point(probs), uniforms, fallback)
+    assert torch.equal(draw_tokens(probs, uniforms, fallback), expected)
+    assert expected[7] == 8
 
 
 def test_sample_one_never_picks_a_masked_token() -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import engine.sample.rejection as rejection_module
+import engine.sample.sampler as sampler_module
 import kernels.rejection_reference as reference_module
 import kernels.tree_rejection as tree_module
 from engine.request import Request
@@ -86,7 +87,7 @@ def kernel(request, monkeypatch) -> str:
         assert not weights.isnan().any(), "NaN reached to_fixed_point"
         return original(weights)
 
-    for module in (reference_module, tree_module, rejection_module):
+    for module in (reference_module, tree_module, sampler_module):
         monkeypatch.setattr(module, "to_fixed_point", checked)
     return request.param
 
