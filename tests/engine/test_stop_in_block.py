@@ -3,16 +3,21 @@ keeps exactly the tokens up to the one that completes it (ids, logprobs, count) 
 it, as decoding one token per step does.
 
 The tiny target speaks a character-level tokenizer (one character per token), so the stop string can
-be aimed at a token that sits inside a block the proposer got accepted. The learned proposers (MLP
-speculator, EAGLE) are trained on the target's own outputs first, so they get blocks accepted too.
+be aimed at a token that sits inside a block the proposer got accepted. The target is mostly bigram
+and the learned proposers (MLP speculator, EAGLE, EAGLE-3) are built from its own weights, so they
+get blocks accepted too; every tree-drafting method runs as well.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
+from bigram_drafters import (
+    build_mostly_bigram_checkpoint,
+    write_bigram_eagle3_head,
+    write_bigram_eagle_head,
+    write_bigram_mlp_speculator,
+)
 from char_tokenizer import save_char_tokenizer
-from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
@@ -27,7 +32,9 @@ ENGINE = {"dtype": "float64", "max_model_len": 256, "num_kv_blocks": 64}
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> str:
-    folder = build_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama", seed=31)
+    """Mostly bigram (tests/helpers/bigram_drafters.py), so drafters built from its own weights
+    get long blocks accepted; 4 layers, for EAGLE-3's three feature layers."""
+    folder = build_mostly_bigram_checkpoint(tmp_path_factory.mktemp("target"))
     return save_char_tokenizer(folder)
 
 
@@ -40,55 +47,28 @@ def plain_outputs(target) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def mlp_speculator(target, plain_outputs, tmp_path_factory) -> str:
-    from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
-    from engine.training.train_speculator import build_training_set, load_reference, train
-
-    torch.manual_seed(0)
-    reference = load_reference(target)
-    data = build_training_set(reference, [(p + out, len(p)) for p, out in
-                                          zip(PROMPTS, plain_outputs)], num_stages=3)
-    speculator = MLPSpeculator(MLPSpeculatorConfig(hidden_size=64, vocab_size=96, num_stages=3))
-    train(speculator, reference.get_input_embeddings(), reference.get_output_embeddings(), data,
-          epochs=15, batch_size=64, learning_rate=3e-3, seed=0)
-    folder = str(tmp_path_factory.mktemp("mlp"))
-    speculator.save(folder)
-    return folder
+def drafters(target, tmp_path_factory) -> dict[str, str]:
+    """The learned proposers' folders, built from the target's weights (no training needed)."""
+    return {"mlp_speculator": write_bigram_mlp_speculator(target, str(tmp_path_factory.mktemp("m"))),
+            "eagle": write_bigram_eagle_head(target, str(tmp_path_factory.mktemp("e"))),
+            "eagle3": write_bigram_eagle3_head(target, str(tmp_path_factory.mktemp("e3")))}
 
 
-@pytest.fixture(scope="module")
-def eagle_head(target, plain_outputs, tmp_path_factory) -> str:
-    from engine.models.arch import LlamaArch
-    from engine.models.loader import load_checkpoint
-    from engine.proposers.eagle_head import EagleConfig, EagleHead
-    from engine.training.train_eagle import choose_draft_vocab, extract_features, train_head
-    from engine.training.train_speculator import load_reference
-
-    torch.manual_seed(0)
-    arch = LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
-    reference = load_reference(target)
-    stream = extract_features(reference, [p + out for p, out in zip(PROMPTS, plain_outputs)])
-    draft_ids, _ = choose_draft_vocab(stream.labels, 64, arch.eos_token_ids, arch.vocab_size)
-    head = EagleHead(EagleConfig.for_target(arch, len(draft_ids)), arch)
-    head.draft_token_ids.copy_(draft_ids)
-    draft_head = head.draft_head_weight(reference.get_output_embeddings().weight.detach())
-    train_head(head, reference.get_input_embeddings(), draft_head, stream, epochs=30, batch_size=8,
-               window=32, num_steps=2, learning_rate=3e-3, feature_weight=1.0, seed=0)
-    folder = str(tmp_path_factory.mktemp("eagle"))
-    head.save(folder)
-    return folder
+METHODS = ["ngram", "suffix", "draft_model", "mlp_speculator", "eagle", "eagle3", "ngram_tree",
+           "suffix_tree", "eagle_tree", "eagle3_tree"]
 
 
 def speculative_config(method: str, target: str, request) -> dict:
-    config = {"method": method, "num_speculative_tokens": 4}
-    if method == "ngram":
+    name = method.removesuffix("_tree")
+    config = {"method": name, "num_speculative_tokens": 4}
+    if name == "ngram":
         config.update(prompt_lookup_min=1, prompt_lookup_max=3)
-    elif method == "draft_model":
+    elif name == "draft_model":
         config["model"] = target  # the target as its own draft: every greedy draft is accepted
-    elif method == "mlp_speculator":
-        config.update(model=request.getfixturevalue("mlp_speculator"), num_speculative_tokens=3)
-    elif method == "eagle":
-        config.update(model=request.getfixturevalue("eagle_head"), num_speculative_tokens=3)
+    elif name in ("mlp_speculator", "eagle", "eagle3"):
+        config.update(model=request.getfixturevalue("drafters")[name], num_speculative_tokens=3)
+    if method.endswith("_tree"):
+        config.update(draft_tree=True, num_speculative_tokens=8)
     return config
 
 
@@ -124,7 +104,7 @@ def stop_inside_a_block(tokenizer, prompt: list[int], blocks: list[list[int]]):
     return None
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix", "draft_model", "mlp_speculator", "eagle"])
+@pytest.mark.parametrize("method", METHODS)
 def test_a_stop_string_inside_an_accepted_block(target, plain_outputs, method, request):
     spec = LLM(target, **ENGINE, speculative_config=speculative_config(method, target, request))
     plain = LLM(target, **ENGINE)

@@ -18,6 +18,7 @@ from tiny_chat_model import build_tiny_chat_checkpoint
 from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
 from engine.models.loader import load_checkpoint
+from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from engine.request import Request
@@ -44,7 +45,8 @@ SCHEMAS = {
 }
 PROMPTS = ["Reply in JSON.", "Describe an order.", "Pick one."]
 MAX_TOKENS = 160
-METHODS = ["ngram", "suffix", "draft_model", "eagle", "mlp_speculator"]
+METHODS = ["ngram", "suffix", "draft_model", "eagle", "mlp_speculator", "eagle3", "suffix_tree",
+           "eagle3_tree"]
 
 
 def formats() -> list[dict]:
@@ -54,7 +56,8 @@ def formats() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> str:
-    return build_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"))
+    # NOTE: 3 layers, the fewest an EAGLE-3 head reads (its first, middle and last)
+    return build_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat"), num_hidden_layers=3)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +70,11 @@ def speculative_configs(target, tmp_path_factory) -> dict[str, dict]:
     head.save(eagle)
     mlp = str(tmp_path_factory.mktemp("mlp"))
     MLPSpeculator(MLPSpeculatorConfig(arch.hidden_size, arch.vocab_size, 3)).save(mlp)
+    eagle3 = str(tmp_path_factory.mktemp("eagle3"))
+    config = Eagle3Config.for_target(arch, arch.vocab_size, (0, 1, 2))
+    head3 = Eagle3Head(config, config.layer_arch(arch), has_embeddings=False)
+    head3.draft_token_ids.copy_(torch.arange(arch.vocab_size))
+    head3.save(eagle3, "test")
     return {
         "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                   "prompt_lookup_max": 3},
@@ -75,6 +83,11 @@ def speculative_configs(target, tmp_path_factory) -> dict[str, dict]:
         "draft_model": {"method": "draft_model", "model": target, "num_speculative_tokens": 3},
         "eagle": {"method": "eagle", "model": eagle, "num_speculative_tokens": 3},
         "mlp_speculator": {"method": "mlp_speculator", "model": mlp, "num_speculative_tokens": 3},
+        "eagle3": {"method": "eagle3", "model": eagle3, "num_speculative_tokens": 3},
+        # trees: every node's q (EAGLE-3) or one-hot draft (suffix) masked along its own path
+        "suffix_tree": {"method": "suffix", "num_speculative_tokens": 8, "draft_tree": True},
+        "eagle3_tree": {"method": "eagle3", "model": eagle3, "num_speculative_tokens": 6,
+                        "draft_tree": True},
     }
 
 
