@@ -3,7 +3,8 @@ processing, p, uniforms, kernels, the output transfer), unseeded beside seeded, 
 earlier commit's, from one run: `python -m benchmarks.bench_sampler [--before REV]`.
 
 --before REV exports that commit (`git archive`) into a temporary folder and times the same cases
-there in a subprocess, so the two columns come from the same machine and the same minutes. Cases:
+there, in subprocesses alternating with the working tree's, round after round, each case's best
+kept: the two columns come from the same machine and the same minutes. Cases:
 batch 8 at vocabulary 49152 (SmolLM's), k 0 (plain decoding) and k 5 (one-hot drafts, n-gram
 style, half of them right), temperature 0.8 with top-p 0.95 (the sort is most of p's cost) and
 without top-p (temperature alone: what the rest costs).
@@ -72,24 +73,40 @@ def measure(repeats: int, device: str) -> dict[str, float]:
     return results
 
 
-def measure_at(revision: str, repeats: int, device: str, threads: int) -> dict[str, float]:
-    """The same measurement run by this script on `revision`'s engine, in a subprocess."""
-    with tempfile.TemporaryDirectory() as folder:
-        archive = subprocess.run(["git", "archive", revision], cwd=ROOT, check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
-        env = {**os.environ, "PYTHONPATH": folder}
-        out = subprocess.run(
-            [sys.executable, str(Path(__file__).resolve()), "--json", "--repeats", str(repeats),
-             "--device", device, "--threads", str(threads)],
-            cwd=folder, env=env, check=True, capture_output=True, text=True).stdout
+def measure_at(tree: str, repeats: int, device: str, threads: int) -> dict[str, float]:
+    """The same measurement run by this script on the engine in folder `tree`, in a subprocess."""
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--json", "--repeats", str(repeats),
+         "--device", device, "--threads", str(threads)],
+        cwd=tree, env={**os.environ, "PYTHONPATH": tree}, check=True, capture_output=True,
+        text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def compare(revision: str | None, rounds: int, repeats: int, device: str,
+            threads: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(now, before): each case's best over `rounds` rounds that alternate the working tree and
+    `revision`'s, so that load from other work on the machine weighs on both alike."""
+    now: dict[str, float] = {}
+    before: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        if revision:
+            archive = subprocess.run(["git", "archive", revision], cwd=ROOT, check=True,
+                                     capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", folder], input=archive, check=True)
+        for _ in range(rounds):
+            trees = [(now, str(ROOT))] + ([(before, folder)] if revision else [])
+            for best, tree in trees:
+                for key, value in measure_at(tree, repeats, device, threads).items():
+                    best[key] = min(best.get(key, value), value)
+    return now, before
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", help="a git revision to time beside the working tree")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--json", action="store_true", help="print this tree's numbers as JSON")
@@ -98,10 +115,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(measure(args.repeats, args.device)))
         return
-    before = measure_at(args.before, args.repeats, args.device, args.threads) if args.before else {}
-    now = measure(args.repeats, args.device)
+    now, before = compare(args.before, args.rounds, args.repeats, args.device, args.threads)
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} thread(s)"
-    print(f"sampler cost per row, us (median of {args.repeats}), vocab {VOCAB}, {device}")
+    print(f"sampler cost per row, us (best of {args.rounds} rounds' medians of {args.repeats}), "
+          f"vocab {VOCAB}, {device}")
     header = f"{'batch':>5} {'k':>2} {'top_p':>5} {'mode':>9} {'now':>9}"
     print(header + (f" {'before':>9} {'now/before':>10}" if before else ""))
     for key, value in now.items():

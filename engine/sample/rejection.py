@@ -74,11 +74,10 @@ class RejectionSampler:
             decided = [i for i in metadata.seeded_batch_indices
                        if layout.sampling[i].draft_probs is None]
             if decided:
+                # NOTE: p and the uniforms still go to the kernels (which read neither for a greedy
+                # request), as for any step with random requests
                 is_greedy = self._decide_seeded(layout, decided, probs, sample_uniforms,
                                                 target_argmax)
-                num_random = sum(not item.request.params.is_greedy for item in layout.sampling)
-                if len(decided) == num_random:  # NOTE: every request now decides as greedy
-                    probs = acceptance_uniforms = sample_uniforms = None
         # NOTE: by keyword, as kernels/ documents them (and as the tests' broken samplers take them)
         arguments = {
             "draft_token_ids": layout.draft_token_ids,
@@ -119,9 +118,13 @@ class RejectionSampler:
         to the inverse CDF of p at the row's keyed sample uniform (the kernels' fixed-point draw), written into target_argmax
         [num_rows] (a row without mass keeps its argmax); returns is_greedy [batch] with those
         requests marked greedy, so the kernels accept a draft iff it equals that token."""
-        rows = torch.tensor([row for i in decided for row in layout.rows_of(i)],
-                            device=probs.device)  # [num_decided_rows]
-        target_argmax[rows] = draw_tokens(probs[rows], sample_uniforms[rows], target_argmax[rows])
+        if len(decided) == len(layout.sampling):  # NOTE: every row: no gather of p needed
+            target_argmax[:] = draw_tokens(probs, sample_uniforms, target_argmax)
+        else:
+            rows = torch.tensor([row for i in decided for row in layout.rows_of(i)],
+                                device=probs.device)  # [num_decided_rows]
+            target_argmax[rows] = draw_tokens(probs[rows], sample_uniforms[rows],
+                                              target_argmax[rows])
         is_greedy = layout.sampling_metadata.is_greedy.clone()  # [batch]
         is_greedy[torch.tensor(decided, device=is_greedy.device)] = True
         return is_greedy

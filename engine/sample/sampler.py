@@ -137,7 +137,9 @@ def draw_tokens(probs: torch.Tensor, uniforms: torch.Tensor,
     fraction of a full-row int64 cumsum's cost on the CPU. probs: [rows, vocab] float32 >= 0;
     uniforms: [rows] float64; fallback_token_ids: [rows], the token of a row without mass."""
     rows, vocab = probs.shape
-    fixed = torch.nn.functional.pad(to_fixed_point(probs), (0, -vocab % DRAW_BLOCK))
+    fixed = to_fixed_point(probs)  # [rows, vocab] int64
+    if vocab % DRAW_BLOCK:
+        fixed = torch.nn.functional.pad(fixed, (0, -vocab % DRAW_BLOCK))
     blocks = fixed.view(rows, -1, DRAW_BLOCK)  # [rows, num_blocks, DRAW_BLOCK]
     block_cdf = blocks.sum(dim=-1).cumsum(dim=-1)  # [rows, num_blocks] exact
     total = block_cdf[:, -1:]  # [rows, 1]
