@@ -93,3 +93,35 @@ def engine_pid(server_pid: int) -> int:
         if parent == server_pid and b"spawn_main" in command:
             return int(entry)
     raise LookupError(f"no engine process under {server_pid}")
+
+
+# NOTE: a dead engine makes the server exit at once (EngineCallbacks.on_dead), so a /health probe
+# right after races the closing listener. This patch keeps it answering for `delay` seconds first,
+# so a test can prove a live server says 503 (not merely that nothing answers), then still exits.
+_EXIT_LATE = """
+import sys
+import threading
+import server.serve
+from server.cli import main
+
+_on_dead = server.serve.EngineCallbacks.on_dead
+
+def _late_on_dead(self):
+    threading.Timer({delay}, _on_dead, args=(self,)).start()
+
+server.serve.EngineCallbacks.on_dead = _late_on_dead
+{extra}
+sys.exit(main())
+"""
+
+
+def launcher_exiting_late(delay: float = 6.0, extra: str = "") -> list[str]:
+    """A LiveServer launcher whose server exits `delay` seconds after its engine dies (instead of
+    at once), after running the Python `extra` (e.g. a fault injection)."""
+    return [sys.executable, "-c", _EXIT_LATE.format(delay=delay, extra=extra)]
+
+
+def assert_health_is_503(url: str) -> None:
+    """The server answers /health, with 503: a closed port (a transport error) fails this."""
+    response = httpx.get(f"{url}/health", timeout=5)
+    assert response.status_code == 503, response

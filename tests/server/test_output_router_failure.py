@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import sys
 import textwrap
 import time
 
@@ -15,7 +14,7 @@ import httpx
 import pytest
 import zmq
 import zmq.asyncio
-from live_server import LiveServer, engine_pid
+from live_server import LiveServer, assert_health_is_503, engine_pid, launcher_exiting_late
 
 from engine.engine_args import EngineArgs
 from engine.sampling_params import SamplingParams
@@ -87,23 +86,19 @@ def test_a_malformed_message_fails_every_request(tiny_llama):
     asyncio.run(fail_the_router(tiny_llama, send_garbage))
 
 
-# the real `specserve serve`, with a stats callback that raises from the first engine step on
-FAULTY_SERVE = textwrap.dedent("""
-    import sys
-    import server.serve
-    from server.cli import main
-
+# the real `specserve serve`, with a stats callback that raises from the first engine step on (and,
+# so that /health can be seen answering 503, an exit 6 s after the engine is found dead)
+FAULTY_STATS = textwrap.dedent("""
     def on_stats(self, stats):
         raise RuntimeError("injected on_stats failure")
 
     server.serve.EngineCallbacks.on_stats = on_stats
-    sys.exit(main())
 """)
 
 
 def test_a_live_server_with_a_failed_router_errors_and_exits_non_zero(tiny_llama):
     with LiveServer(["--model", tiny_llama, "--dtype", "float32", "--max-model-len", "512"],
-                    launcher=[sys.executable, "-c", FAULTY_SERVE]) as server:
+                    launcher=launcher_exiting_late(6.0, FAULTY_STATS)) as server:
         engine = engine_pid(server.process.pid)
         body = {"model": "any", "prompt": [1, 2, 3], "max_tokens": 100, "ignore_eos": True,
                 "temperature": 0}
@@ -112,10 +107,8 @@ def test_a_live_server_with_a_failed_router_errors_and_exits_non_zero(tiny_llama
         response = httpx.post(f"{server.api}/completions", json=body, timeout=DEADLINE_S)
         assert response.status_code == 503
         assert "engine-output-router failed" in response.json()["error"]["message"]
-        try:  # until the server has closed its port, /health says the engine is gone
-            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
-        except httpx.TransportError:
-            pass
+        # the same server that answered 200 when it started (LiveServer waits for it) says 503
+        assert_health_is_503(server.url)
         assert server.process.wait(DEADLINE_S) == 1
         assert "injected on_stats failure" in server.output()
         assert _has_exited(engine, DEADLINE_S), "the engine process is still running"
