@@ -94,7 +94,11 @@ def best_draft_lengths(chances: np.ndarray, caps: np.ndarray, num_known_tokens: 
 class AdaptiveSpeculation:
     """Per-request k for the engine: learns costs and acceptance from the steps it sees."""
 
-    def __init__(self) -> None:
+    def __init__(self, has_soft_drafts: bool = True) -> None:
+        """`has_soft_drafts`: the proposer samples its drafts from a q (a model drafter), so a seeded
+        request's text depends on its draft lengths and must keep its cap; one-hot drafts (n-gram,
+        suffix) leave a seeded request's text as without speculation, so its k may adapt too."""
+        self.has_soft_drafts = has_soft_drafts
         self.cost = StepCostModel()
         self.acceptance = AcceptanceTracker()
         # request id -> steps in a row it could have drafted but was given k = 0
@@ -114,13 +118,16 @@ class AdaptiveSpeculation:
         whose drafts already exist, each one's tree (its parents) or None for a chain; a tree's k
         keeps its k likeliest nodes (`keep_best`).
 
-        A seeded sampling request keeps its cap: its random numbers are consumed per draft, so a
-        k that followed measured timings would make its text differ run to run.
+        With soft drafts, a seeded sampling request keeps its cap: rejection sampling against q
+        uses its keyed random numbers per draft, so a k that followed measured timings would make
+        its text differ run to run. With one-hot drafts its text is the text without speculation
+        whatever k is (engine/sample/keyed_random.py), so it adapts like any other request.
         """
         if not requests:
             return []
         trees = trees if trees is not None else [None] * len(requests)
-        is_fixed = [r.params.seed is not None and not r.params.is_greedy for r in requests]
+        is_fixed = [self.has_soft_drafts and r.params.seed is not None and not r.params.is_greedy
+                    for r in requests]
         adaptive = [i for i, keep in enumerate(is_fixed) if not keep]
         fixed = [i for i, keep in enumerate(is_fixed) if keep]
         num_known = len(requests) + num_prefill_tokens + sum(caps[i] for i in fixed)

@@ -117,6 +117,10 @@ def test_seeded_sampling_is_reproducible_with_adaptive_on(checkpoint):
         [{"prompt_token_ids": p} for p in PROMPTS],
         [params] + [SamplingParams(temperature=1.0, max_tokens=32, ignore_eos=True)] * 3)
     assert alone[0].outputs[0].token_ids == crowded[0].outputs[0].token_ids
+    # one-hot drafts: whatever k the policy chose, the text is the text without speculation
+    plain = LLM(checkpoint, dtype="float64", max_model_len=128, num_kv_blocks=64)
+    no_spec = plain.generate({"prompt_token_ids": PROMPTS[0]}, params)
+    assert alone[0].outputs[0].token_ids == no_spec[0].outputs[0].token_ids
 
 
 def test_sampled_distribution_matches_plain_sampling(tmp_path):

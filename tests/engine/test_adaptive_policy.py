@@ -19,6 +19,7 @@ from engine.adaptive.policy import MIN_RELATIVE_GAIN, PROBE_INTERVAL
 from engine.adaptive.step_cost import STALE_AFTER, non_decreasing_fit
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SampledTokens
 
 COST_SHAPES = {
     # seconds of a target pass over n tokens
@@ -225,15 +226,18 @@ def test_deep_positions_follow_the_engine_when_the_request_rarely_reaches_them()
     assert (conditional[1:8] > 0.9).all()
 
 
-def test_seeded_sampling_keeps_its_cap_and_greedy_adapts():
-    policy = AdaptiveSpeculation()
+@pytest.mark.parametrize("has_soft_drafts, seeded_k", [(True, 3), (False, 0)])
+def test_seeded_sampling_keeps_its_cap_only_with_soft_drafts(has_soft_drafts, seeded_k):
+    """Sampled drafts make a seeded request's text depend on k, so it keeps its cap; with one-hot
+    drafts its text does not depend on k, and it adapts as a greedy request does."""
+    policy = AdaptiveSpeculation(has_soft_drafts=has_soft_drafts)
     policy.cost = flat_cost()
     for name in ("seeded", "greedy"):
         for _ in range(20):
             policy.acceptance.observe(name, 4, 0)
     ks = policy.choose([request("seeded", temperature=1.0, seed=7),
                         request("greedy", temperature=0.0)], [3, 3], 0)
-    assert ks == [3, 0]
+    assert ks == [seeded_k, 0]
 
 
 def test_a_point_not_measured_lately_is_stale_until_measured_again():
@@ -319,7 +323,7 @@ def test_a_tree_verification_counts_first_children_by_depth_and_later_siblings_b
         policy = AdaptiveSpeculation()
         item = SimpleNamespace(request=request("tree", temperature=0.0), num_draft_tokens=6,
                                draft_token_ids=[10, 11, 12, 13, 14, 15], draft_parents=parents)
-        kept = SimpleNamespace(token_ids=[7] * (len(path) + 1), accepted_drafts=path)
+        kept = SampledTokens([7] * (len(path) + 1), accepted_drafts=path)
         for _ in range(20):
             policy.observe_step(SimpleNamespace(num_batched_tokens=7, sampling=[item]), [kept],
                                 [6], 0.01, 0.011, 0.001)
@@ -363,7 +367,7 @@ def test_a_tree_is_valued_and_cut_node_by_node():
         kept_c = [j for j, token in enumerate(cut.token_ids) if token == 12]
         item.draft_token_ids, item.draft_parents = cut.token_ids, cut.parents
         item.num_draft_tokens = len(cut.token_ids)
-        kept = SimpleNamespace(token_ids=[7] * (len(kept_c) + 1), accepted_drafts=kept_c)
+        kept = SampledTokens([7] * (len(kept_c) + 1), accepted_drafts=kept_c)
         policy.observe_step(SimpleNamespace(num_batched_tokens=3, sampling=[item]), [kept],
                             [2], 0.01, 0.011, 0.001)
     chances = policy.acceptance.tree_chances("r", parents)
