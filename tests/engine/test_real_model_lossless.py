@@ -3,10 +3,15 @@ token-identical to decoding without speculation. The prompts are batched in one 
 the KV cache is so small that requests get preempted and recomputed mid-answer.
 
 Prompts ask the model to copy (a list, a paragraph, code to edit, a count), so drafts are accepted
-and the paths that keep accepted blocks run, not only the ones that reject.
+and the paths that keep accepted blocks run, not only the ones that reject. Every proposer runs as a
+chain and every tree-drafting one as a tree too, with prefix caching on; a perturbed copy of the
+target drafts as a draft model that is sometimes wrong, so rollback runs in both models.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,9 +19,15 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
 from engine.models.loader import embedded_cache_dir, embedded_gguf_path
+from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_feature_layers
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
-from engine.training.train_eagle import choose_draft_vocab, extract_features, train_head
+from engine.training.train_eagle import (
+    FeatureStream,
+    choose_draft_vocab,
+    extract_features,
+    train_head,
+)
 from engine.training.train_speculator import (
     TrainingSet,
     build_training_set,
@@ -44,6 +55,7 @@ MAX_MODEL_LEN = 160  # the longest prompt (97 tokens) + MAX_TOKENS fits
 NUM_KV_BLOCKS = 14
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 NUM_STAGES = 3  # the heads' depth, and k for the model-based proposers
+PERTURBATION = 0.15  # the relative noise on the weights of the draft model that is not the target
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +92,19 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def eagle_head(tmp_path_factory, reference, prompts, expected) -> str:
+def feature_stream(reference, prompts, expected) -> FeatureStream:
+    """The target's features on the reference answers, with the three streams EAGLE-3 reads
+    (its default layers 2, 15, 27): one extraction for both heads."""
+    layers = default_feature_layers(reference.config.num_hidden_layers)
+    with torch.no_grad():
+        return extract_features(reference, [p + e for p, e in zip(prompts, expected)],
+                                aux_layers=layers)
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tmp_path_factory, reference, feature_stream) -> str:
     arch = LlamaArch.from_hf_config(reference.config)
-    stream = extract_features(reference, [p + e for p, e in zip(prompts, expected)])
+    stream = replace(feature_stream, aux=None)  # EAGLE-1 reads the final features only
     draft_ids, _ = choose_draft_vocab(stream.labels, 256, arch.eos_token_ids, arch.vocab_size)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(arch, len(draft_ids)), arch)
@@ -121,6 +143,51 @@ def mlp_speculator(tmp_path_factory, reference, prompts, expected) -> str:
     return folder
 
 
+@pytest.fixture(scope="module")
+def eagle3_head(tmp_path_factory, reference, feature_stream) -> str:
+    """An EAGLE-3 head reading EAGLE-3's default layers (2, 15, 27), trained as eagle_head is."""
+    arch = LlamaArch.from_hf_config(reference.config)
+    layers = default_feature_layers(arch.num_layers)
+    stream = feature_stream
+    draft_ids, _ = choose_draft_vocab(stream.labels, 256, arch.eos_token_ids, arch.vocab_size)
+    config = Eagle3Config.for_target(arch, len(draft_ids), layers)
+    torch.manual_seed(0)
+    head = Eagle3Head(config, config.layer_arch(arch), has_embeddings=False)
+    head.draft_token_ids.copy_(draft_ids)
+    draft_head = reference.get_output_embeddings().weight.detach()[draft_ids]
+    with torch.no_grad():
+        head.lm_head.weight.copy_(draft_head)  # as `train-speculator` starts it
+    train_head(head, reference.get_input_embeddings(), draft_head, stream, epochs=8,
+               batch_size=4, window=32, num_steps=NUM_STAGES, learning_rate=3e-3,
+               feature_weight=1.0, seed=0)
+    folder = str(tmp_path_factory.mktemp("eagle3_head"))
+    head.save(folder, "test")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def perturbed_folder(tmp_path_factory, embedded_folder) -> str:
+    """A draft model that is not the target: the embedded model with every layer's matrices scaled
+    by 1 + PERTURBATION * N(0, 1), element by element. It agrees with the target on most tokens
+    and not all (a copy truncated to its first 10-20 layers agreed on under 7% here), so draft KV
+    is rolled back in the draft model and in the target."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("perturbed")
+    generator = torch.Generator().manual_seed(0)
+    weights = load_file(os.path.join(embedded_folder, "model.safetensors"))
+    for name, tensor in weights.items():
+        if name.startswith("model.layers.") and tensor.ndim == 2:
+            tensor.mul_(1 + PERTURBATION * torch.randn(tensor.shape, generator=generator))
+    save_file(weights, str(folder / "model.safetensors"))
+    for name in os.listdir(embedded_folder):
+        if name.endswith((".json", ".jinja")):
+            shutil.copy(os.path.join(embedded_folder, name), folder)
+    return str(folder)
+
+
 # method -> (speculative config; the fixture naming its model folder, if any)
 METHODS = {
     "ngram": ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, None),
@@ -131,6 +198,17 @@ METHODS = {
     "mlp_speculator": ({"method": "mlp_speculator", "num_speculative_tokens": NUM_STAGES},
                        "mlp_speculator"),
     "eagle": ({"method": "eagle", "num_speculative_tokens": NUM_STAGES}, "eagle_head"),
+    "eagle3": ({"method": "eagle3", "num_speculative_tokens": NUM_STAGES}, "eagle3_head"),
+    "draft_model_perturbed": ({"method": "draft_model", "num_speculative_tokens": NUM_STAGES},
+                              "perturbed_folder"),
+    # draft trees, verified under the tree mask, preempted with prefix caching on
+    "ngram_tree": ({"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3,
+                    "draft_tree": True}, None),
+    "suffix_tree": ({"method": "suffix", "num_speculative_tokens": 8, "draft_tree": True}, None),
+    "eagle_tree": ({"method": "eagle", "num_speculative_tokens": 6, "draft_tree": True},
+                   "eagle_head"),
+    "eagle3_tree": ({"method": "eagle3", "num_speculative_tokens": 6, "draft_tree": True},
+                    "eagle3_head"),
 }
 
 
@@ -162,7 +240,7 @@ def test_greedy_is_token_identical_batched_and_preempted(request, prompts, expec
     if folder_fixture is not None:
         config = {**config, "model": request.getfixturevalue(folder_fixture)}
     llm = LLM(None, dtype="float32", num_threads=NUM_THREADS, max_model_len=MAX_MODEL_LEN,
-              num_kv_blocks=NUM_KV_BLOCKS, speculative_config=config)
+              num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=True, speculative_config=config)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for prompt, out, want in zip(prompts, outs, expected):
         got = out.outputs[0].token_ids
@@ -178,3 +256,6 @@ def test_greedy_is_token_identical_batched_and_preempted(request, prompts, expec
     if method == "draft_model_itself":
         # the target drafting for itself agrees with itself, row counts and preemption aside
         assert num_accepted == num_drafts, (num_accepted, num_drafts)
+    if method == "draft_model_perturbed":
+        assert num_accepted < num_drafts, "the perturbed draft model was never wrong"
+    print(f"{method}: {num_accepted} of {num_drafts} drafts accepted")
