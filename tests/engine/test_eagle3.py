@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from bigram_drafters import (
-    assert_often_right,
-    build_mostly_bigram_checkpoint,
+    check_lossless_when_mostly_right,
     write_bigram_eagle3_head,
 )
 from reference_attention import reference_self_attention
@@ -254,19 +253,7 @@ def test_a_cached_prefix_gives_the_same_drafts(target, head, expected):
 
 
 def test_greedy_is_lossless_when_the_drafts_are_mostly_right(tmp_path):
-    """A head built from a mostly-bigram target's own weights (tests/helpers/bigram_drafters.py)
-    guesses right more often than not: accepted blocks, partial ones and rejections all run, in a
-    batch with capped and uncapped requests, and the tokens stay the target's."""
-    bigram_target = build_mostly_bigram_checkpoint(tmp_path / "target")
-    folder = write_bigram_eagle3_head(bigram_target, str(tmp_path / "head"))
-    plain = LLM(bigram_target, dtype="float64", max_model_len=256, num_kv_blocks=64)
-    want = token_ids(plain.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY))
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                             num_speculative_tokens=cap) for cap in (None, 2, None, None)]
-    outs = spec_llm(bigram_target, folder).generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                                    params)
-    assert token_ids(outs) == want
-    assert_often_right(outs)
+    check_lossless_when_mostly_right(tmp_path, "eagle3", write_bigram_eagle3_head)
 
 
 # ---- refused at start-up -----------------------------------------------------------------------

@@ -105,3 +105,28 @@ def assert_often_right(outs, at_least: float = 0.3) -> float:
     assert proposed > 0 and accepted >= at_least * proposed, (accepted, proposed)
     assert accepted < proposed, "every draft accepted: the rejection path never ran"
     return accepted / proposed
+
+
+# prompts with repeats and without, for a batch mixing capped and uncapped requests
+MOSTLY_RIGHT_PROMPTS = [[1, 5, 9, 13, 2, 7], [1] + list(range(30, 62)), [1, 60],
+                        [1, 11, 12, 13, 14]]
+
+
+def check_lossless_when_mostly_right(tmp_path, method: str, write_drafter) -> None:
+    """A drafter `write_drafter(target, folder)` built from the mostly-bigram target's own weights
+    guesses right more often than not: accepted blocks, partial ones and rejections all run, in a
+    batch with capped and uncapped requests, and the tokens stay the target's."""
+    from engine import LLM, SamplingParams
+
+    target = build_mostly_bigram_checkpoint(tmp_path / "target")
+    folder = write_drafter(target, str(tmp_path / "drafter"))
+    requests = [{"prompt_token_ids": p} for p in MOSTLY_RIGHT_PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target, dtype="float64", max_model_len=256, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in plain.generate(requests, greedy)]
+    spec = LLM(target, dtype="float64", max_model_len=256, num_kv_blocks=64,
+               speculative_config={"method": method, "model": folder, "num_speculative_tokens": 3})
+    outs = spec.generate(requests, [replace(greedy, num_speculative_tokens=cap)
+                                    for cap in (None, 2, None, None)])
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert_often_right(outs)
