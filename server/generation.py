@@ -242,7 +242,9 @@ class Generation:
         self._end_waiting(choice)
         if isinstance(error, RequestRejectedError):
             return ApiError(400, str(error))
-        if isinstance(error, RequestFailedError):
+        if isinstance(error, RequestFailedError):  # the engine ended it: no abort to send
+            choice.tracker.finish_reason = "error"
+            self._record(choice)
             return ApiError(500, f"the engine could not finish this request: {error}",
                             code="request_failed")
         return ApiError(503, str(error), type="ServiceUnavailableError")

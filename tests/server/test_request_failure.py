@@ -101,6 +101,11 @@ def test_a_failed_request_gets_a_500_in_openai_shape(serving, endpoint):
         asyncio.run(handler(body, never_disconnected))
     error = raised.value
     assert error.status == 500 and WHY in error.message
+    assert serving.client.aborted == []  # the engine ended it already
+    finished = serving.metrics.registry.get_sample_value(
+        "specserve:request_success_total",
+        {"model_name": "tiny", "spec_method": "ngram", "finished_reason": "error"})
+    assert finished and finished >= 1
     assert error.body()["error"]["type"] == "InternalServerError"
     assert error.body()["error"]["code"] == "request_failed"
 
