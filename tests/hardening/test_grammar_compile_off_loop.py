@@ -4,9 +4,11 @@ messages and aborts; a compile that fails refuses its request alone."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 from engine.engine_process import EngineLoop
@@ -104,13 +106,25 @@ def wait_until(condition, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_the_loop_steps_other_requests_while_a_grammar_compiles():
+@contextlib.contextmanager
+def running_loop() -> Iterator[tuple[HeldCompiler, CountingCore, Sockets]]:
+    """An EngineLoop on its own thread over a held compiler; released and shut down on exit."""
     compiler = HeldCompiler()
     core, sockets = CountingCore(compiler), Sockets()
-    loop = EngineLoop(core, sockets, sockets, os.getppid())
-    thread = threading.Thread(target=loop.run, daemon=True)
+    thread = threading.Thread(target=EngineLoop(core, sockets, sockets, os.getppid()).run,
+                              daemon=True)
     thread.start()
     try:
+        yield compiler, core, sockets
+    finally:
+        compiler.release.set()
+        sockets.inbox.put(encode(Shutdown()))
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_the_loop_steps_other_requests_while_a_grammar_compiles():
+    with running_loop() as (compiler, core, sockets):
         sockets.inbox.put(add("schema", SCHEMA_KEY))
         assert compiler.started.wait(10)
         sockets.inbox.put(add("plain", None))
@@ -119,20 +133,10 @@ def test_the_loop_steps_other_requests_while_a_grammar_compiles():
         compiler.release.set()
         wait_until(lambda: "schema" in core.added)
         assert core.added["schema"].key == SCHEMA_KEY  # added with the grammar compiled off-loop
-    finally:
-        compiler.release.set()
-        sockets.inbox.put(encode(Shutdown()))
-        thread.join(10)
-    assert not thread.is_alive()
 
 
 def test_a_failed_compile_refuses_its_request_alone_and_aborts_reach_pending_ones():
-    compiler = HeldCompiler()
-    core, sockets = CountingCore(compiler), Sockets()
-    loop = EngineLoop(core, sockets, sockets, os.getppid())
-    thread = threading.Thread(target=loop.run, daemon=True)
-    thread.start()
-    try:
+    with running_loop() as (compiler, core, sockets):
         sockets.inbox.put(add("plain", None))
         sockets.inbox.put(add("bad", BAD_KEY))
         sockets.inbox.put(add("aborted", SCHEMA_KEY))
@@ -141,10 +145,6 @@ def test_a_failed_compile_refuses_its_request_alone_and_aborts_reach_pending_one
         wait_until(lambda: any(isinstance(m, RequestRejected) for m in sockets.sent))
         compiler.release.set()
         wait_until(lambda: core.num_steps >= 5)
-    finally:
-        compiler.release.set()
-        sockets.inbox.put(encode(Shutdown()))
-        thread.join(10)
     rejected = [m for m in sockets.sent if isinstance(m, RequestRejected)]
     assert [m.request_id for m in rejected] == ["bad"]
     assert "cannot be enforced" in rejected[0].message
