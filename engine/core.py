@@ -236,6 +236,8 @@ class EngineCore:
     def _fail_after_commit(self, updates: list[RequestUpdate], failures: dict[str, str]) -> None:
         """End the requests that failed after their tokens were committed: each keeps the tokens
         it emitted this step, and its update now ends it with the error."""
+        if not failures:  # NOTE: every step passes here; nothing to build on the usual path
+            return
         updates_by_id = {update.request_id: update for update in updates}
         for request_id, error in failures.items():
             ended = self.scheduler.fail(request_id, error)
