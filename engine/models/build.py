@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine.models.arch import LlamaArch
-from engine.models.cpu_linear import optimize_linears_for_cpu
+from engine.models.cpu_linear import optimize_linears_for_cpu, packed_weights_available
 from engine.models.llama import LlamaForCausalLM, use_fused_ops
 from engine.models.loader import Checkpoint
+from engine.models.packed_model import (
+    expand_packed_weights,
+    has_packed_weights,
+    install_packed_weights,
+    packed_formats,
+)
 from kernels import decoder_ops
+
+logger = logging.getLogger(__name__)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
@@ -18,11 +28,20 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     arch = LlamaArch.from_hf_config(checkpoint.hf_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
+    weights = checkpoint.weights
+    packed = has_packed_weights(weights)
+    if packed and not (device.type == "cpu" and dtype == torch.float32
+                       and packed_weights_available()):
+        logger.warning("packed weights expanded to %s: the packed kernel runs float32 on a CPU "
+                       "with AVX2 and F16C", dtype)
+        weights, packed = expand_packed_weights(weights, dtype), False
+    if packed:
+        weights = install_packed_weights(model, weights)
     model = model.to_empty(device=device).to(dtype)
     # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the reference
     model.rotary.inv_freq = torch.tensor(arch.rope_inv_freq, dtype=torch.float32, device=device)
-    model.load_weights(checkpoint.weights)
-    if arch.tie_word_embeddings:
+    model.load_weights(weights)
+    if arch.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
     if gpu_kernels == "triton":
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -41,6 +60,9 @@ def optimize_for_cpu(model: torch.nn.Module, dtype: torch.dtype, device: torch.d
     if device.type != "cpu":
         return "torch"
     backend = optimize_linears_for_cpu(model)
+    formats = packed_formats(model)
+    if formats:
+        backend = f"packed {'/'.join(formats)} + {backend} for float32 linears"
     if fused_ops and dtype == torch.float32 and decoder_ops.decoder_ops_available():
         use_fused_ops(model, decoder_ops)
         backend += " + fused-ops"

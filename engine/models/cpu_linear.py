@@ -20,6 +20,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.models.packed_weight import PackedWeight
+from kernels.quantized_gemm import (
+    KernelWeight,
+    pack_for_kernel,
+    quantized_gemm_available,
+    quantized_linear,
+    quantized_rows,
+)
 from kernels.skinny_gemm import pack_linear_weight, packed_linear, skinny_gemm_available
 
 # rows the oneDNN weight layout is tuned for; measured flat for 1..16 rows, still best at 512
@@ -80,3 +88,70 @@ def optimize_linears_for_cpu(model: nn.Module) -> str:
         # same [out, in] shape over [in, out] storage: MKL streams it about twice as fast at 1 row
         module.weight.data = module.weight.data.t().contiguous().t()
     return "transposed"
+
+
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight stays as the file holds it (GGUF blocks, bf16/f16), float32 in and out.
+
+    Its outputs are bit for bit SkinnyGemmLinear's on the dequantized weight (kernels/quantized_gemm.py).
+    It may hold several parts stacked along the outputs (q/k/v of a file that quantizes them
+    differently), each run by the kernel, their outputs side by side.
+    """
+
+    def __init__(self, parts: list[KernelWeight], bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.parts = parts
+        self.in_features = parts[0].shape[1]
+        self.out_features = sum(part.shape[0] for part in parts)
+        # NOTE: a plain attribute, not a buffer: the module joins a model still on the meta device,
+        # whose to_empty() would replace buffers with uninitialized memory
+        self.bias = None if bias is None else bias.float().contiguous()
+        self._bias_parts = ([None] * len(parts) if bias is None
+                            else list(self.bias.split([part.shape[0] for part in parts])))
+
+    @classmethod
+    def from_packed(cls, parts: list[PackedWeight], bias: torch.Tensor | None = None
+                    ) -> QuantizedLinear:
+        """Parts of one format are stacked into one weight, so the kernel streams them in one call."""
+        if len({part.format for part in parts}) == 1 and len(parts) > 1:
+            parts = [PackedWeight.concat(parts)]
+        return cls([pack_for_kernel(part) for part in parts], bias)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
+        if len(self.parts) == 1:
+            return quantized_linear(x, self.parts[0], self._bias_parts[0])
+        return torch.cat([quantized_linear(x, part, bias)
+                          for part, bias in zip(self.parts, self._bias_parts)], dim=-1)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """[out, in] float32, what `PackedWeight.dequantize()` gives: for code that needs the matrix."""
+        return torch.cat([quantized_rows(part, torch.arange(part.shape[0])) for part in self.parts])
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table kept packed; a lookup dequantizes only the rows it reads (float32)."""
+
+    def __init__(self, table: PackedWeight) -> None:
+        super().__init__()
+        self.table = pack_for_kernel(table)
+        self.num_embeddings, self.embedding_dim = table.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return quantized_rows(self.table, ids)
+
+    def as_linear(self) -> QuantizedLinear:
+        """The same table as an LM head (tied embeddings), sharing its bytes."""
+        return QuantizedLinear([self.table])
+
+
+def packed_weights_available() -> bool:
+    """Whether this machine runs QuantizedLinear (a C++ compiler, AVX2 and F16C)."""
+    return quantized_gemm_available()
