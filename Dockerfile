@@ -51,7 +51,8 @@ RUN pip install . \
 
 USER 10001:10001
 WORKDIR /home/specserve
-# Convert the embedded GGUF to its float32 cache now (~25 s), so a container serves in seconds
+# Cache the embedded model's config and tokenizer now (converting the tokenizer takes seconds) and
+# read its weights once, so a container starts fast and a broken image fails here
 RUN python -c "import torch; from engine.models.loader import load_checkpoint; load_checkpoint(None, torch.float32)"
 
 EXPOSE 8000

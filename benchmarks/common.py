@@ -4,14 +4,13 @@ timing that waits for the GPU, and a line naming the hardware."""
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import time
 
 import torch
 import transformers
 
-from engine.models.loader import embedded_cache_dir, embedded_gguf_path
+from engine.models.reference_model import load_transformers_model
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -30,16 +29,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def load_reference(args: argparse.Namespace) -> transformers.PreTrainedModel:
     """transformers on exactly the weights the engine serves, in the same dtype, on the same device."""
-    dtype = getattr(torch, args.dtype)
-    if args.model is None:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            embedded_cache_dir(embedded_gguf_path()), dtype=dtype)
-    elif args.model.endswith(".gguf"):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            os.path.dirname(os.path.abspath(args.model)), gguf_file=os.path.basename(args.model),
-            dtype=dtype)
-    else:
-        model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+    model = load_transformers_model(args.model, getattr(torch, args.dtype))
     return model.to(args.device).eval()
 
 

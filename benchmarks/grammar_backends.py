@@ -4,7 +4,6 @@ model's tokenizer they all compile for (benchmarks/bench_grammar_libraries.py ru
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,9 +50,6 @@ def load_vocab() -> Vocab:
 
     from engine.models import loader
 
-    folder = loader.embedded_cache_dir(loader.embedded_gguf_path())
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        loader.load_checkpoint(None, torch.float32)  # converts the GGUF once (~25 s)
     tokenizer = loader.load_tokenizer(None)
     unicode_to_byte = {u: b for b, u in bytes_to_unicode().items()}
     special = frozenset(tokenizer.all_special_ids) | frozenset(

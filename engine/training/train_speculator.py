@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import time
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ import transformers
 from tqdm.auto import tqdm
 
 from engine.llm import LLM
-from engine.models.loader import embedded_cache_dir, embedded_gguf_path
+from engine.models.reference_model import load_transformers_model
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from engine.sampling_params import SamplingParams
 from engine.training.prompts import build_documents, build_prompts
@@ -49,14 +48,7 @@ class TrainingSet:
 
 def load_reference(model: str | None) -> transformers.PreTrainedModel:
     """The target in transformers, float32, on the weights the engine serves."""
-    if model is None:
-        model = embedded_cache_dir(embedded_gguf_path())
-    if model.endswith(".gguf"):
-        folder, name = os.path.split(os.path.abspath(model))
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32, local_files_only=True).eval()
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        model, dtype=torch.float32, local_files_only=True).eval()
+    return load_transformers_model(model, torch.float32)
 
 
 def generate_answers(llm: LLM, prompts: list[str], max_tokens: int, num_sampled: int = 0,

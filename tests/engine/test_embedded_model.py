@@ -7,7 +7,8 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.models.loader import embedded_cache_dir, embedded_gguf_path
+from engine.models.loader import embedded_gguf_path
+from engine.models.reference_model import load_transformers_model
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -25,9 +26,8 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def reference() -> transformers.PreTrainedModel:
-    # the converted cache exists once `llm` loaded; it holds exactly the GGUF's dequantized weights
-    folder = embedded_cache_dir(embedded_gguf_path())
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # exactly the GGUF's dequantized weights (tests/engine/test_gguf_checkpoint.py)
+    return load_transformers_model(None, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_ngram_speculation_keeps_greedy_tokens(llm, prompts):
 def test_draft_model_proposer_on_the_real_model(llm, prompts):
     """The target as its own draft: every draft is accepted, so the draft's own paged KV and its
     rollback bookkeeping are right on the real model, and greedy tokens are unchanged."""
-    draft = embedded_cache_dir(embedded_gguf_path())
+    draft = embedded_gguf_path()
     spec = LLM(None, dtype="float32", num_threads=2, max_model_len=1024,
                speculative_config={"method": "draft_model", "model": draft,
                                    "num_speculative_tokens": 3})

@@ -1,5 +1,6 @@
-"""engine/models/loader.py: HF folders round-trip exactly, bad paths fail clearly, and the embedded
-model's float32 cache is built once and matches the GGUF it came from."""
+"""engine/models/loader.py: HF folders round-trip exactly (16-bit weights also packed), bad paths
+fail clearly, and the embedded model's config-and-tokenizer cache is built once, without weights.
+GGUF reading itself: tests/engine/test_gguf_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from engine.models import loader
 from engine.models.loader import Checkpoint, embedded_gguf_path, load_checkpoint
+from engine.models.packed_weight import PackedWeight
 
-GgufPair = tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]
 TINY = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -89,6 +90,35 @@ def test_qwen2_folder_has_qkv_bias(tmp_path: Path) -> None:
     for proj in ("q_proj", "k_proj", "v_proj"):
         assert f"model.layers.1.self_attn.{proj}.bias" in ckpt.weights
     assert "model.layers.0.self_attn.o_proj.bias" not in ckpt.weights
+    assert_weights_equal(ckpt, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype, fmt", [(torch.bfloat16, "BF16"), (torch.float16, "F16")])
+def test_16_bit_folder_loads_packed(tmp_path: Path, dtype: torch.dtype, fmt: str) -> None:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**TINY, tie_word_embeddings=False)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+    model.save_pretrained(tmp_path)
+    expected = model.state_dict()
+
+    ckpt = load_checkpoint(str(tmp_path), torch.float32, packed=True)
+
+    assert set(ckpt.weights) == set(expected)
+    for name, want in expected.items():
+        got = ckpt.weights[name]
+        if want.dim() == 2:
+            assert isinstance(got, PackedWeight) and got.format == fmt, name
+            got = got.dequantize()
+        assert got.dtype == torch.float32, name
+        assert torch.equal(got, want.float()), name
+
+
+def test_float32_folder_loaded_packed_stays_float32(tmp_path: Path) -> None:
+    config = transformers.LlamaConfig(**TINY, tie_word_embeddings=False)
+    expected = save_tiny(tmp_path, config)
+
+    ckpt = load_checkpoint(str(tmp_path), torch.float32, packed=True)
+
     assert_weights_equal(ckpt, expected, torch.float32)
 
 
@@ -168,7 +198,7 @@ def test_missing_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) ->
 def fake_converter(calls: list[str]) -> Callable[[str, str], None]:
     def convert(gguf_path: str, out_dir: str) -> None:
         calls.append(out_dir)
-        save_tiny(Path(out_dir), transformers.LlamaConfig(**TINY))
+        transformers.LlamaConfig(**TINY).save_pretrained(out_dir)
 
     return convert
 
@@ -176,19 +206,17 @@ def fake_converter(calls: list[str]) -> Callable[[str, str], None]:
 def test_cache_is_built_once_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     calls: list[str] = []
-    monkeypatch.setattr(loader, "convert_gguf_to_folder", fake_converter(calls))
+    monkeypatch.setattr(loader, "write_metadata_folder", fake_converter(calls))
 
-    first = load_checkpoint(None, torch.float32)
-    second = load_checkpoint(None, torch.bfloat16)
+    first = loader.prepare_embedded_cache()
+    second = loader.prepare_embedded_cache()
 
     assert len(calls) == 1
-    target = loader.embedded_cache_dir(embedded_gguf_path())
-    assert os.path.dirname(target) == str(tmp_path)
-    assert str(os.path.getsize(embedded_gguf_path())) in os.path.basename(target)
-    assert target in first.source
-    assert second.weights["model.norm.weight"].dtype == torch.bfloat16
+    assert first == second == loader.embedded_cache_dir(embedded_gguf_path())
+    assert os.path.dirname(first) == str(tmp_path)
+    assert str(os.path.getsize(embedded_gguf_path())) in os.path.basename(first)
     # no temp conversion folder is left behind
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [os.path.basename(target)]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [os.path.basename(first)]
 
 
 def test_cache_race_lost_uses_the_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,11 +229,28 @@ def test_cache_race_lost_uses_the_winner(tmp_path: Path, monkeypatch: pytest.Mon
         convert(gguf_path, target)  # the "other process" finishes first
         convert(gguf_path, out_dir)
 
-    monkeypatch.setattr(loader, "convert_gguf_to_folder", convert_while_another_process_wins)
-    ckpt = load_checkpoint(None, torch.float32)
+    monkeypatch.setattr(loader, "write_metadata_folder", convert_while_another_process_wins)
 
-    assert target in ckpt.source
+    assert loader.prepare_embedded_cache() == target
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [os.path.basename(target)]
+
+
+def test_old_float32_cache_is_not_mistaken_for_the_new_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older specserve's float32 copy (config.json + 538 MB of safetensors) sits under the bare
+    name: it is neither read nor deleted, and the log says it can go."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    old = tmp_path / os.path.basename(embedded_gguf_path()).removesuffix(".gguf")
+    old = old.with_name(f"{old.name}-{os.path.getsize(embedded_gguf_path())}")
+    save_tiny(old, transformers.LlamaConfig(**TINY))
+    calls: list[str] = []
+    monkeypatch.setattr(loader, "write_metadata_folder", fake_converter(calls))
+
+    folder = loader.prepare_embedded_cache()
+
+    assert len(calls) == 1 and folder != str(old) and old.is_dir()
+    assert str(old) in caplog.text and "no longer read" in caplog.text
 
 
 # ---------------------------------------------------------------- the real embedded model
@@ -213,15 +258,8 @@ def test_cache_race_lost_uses_the_winner(tmp_path: Path, monkeypatch: pytest.Mon
 
 @pytest.fixture(scope="module")
 def embedded() -> Checkpoint:
-    """Builds the real cache on the first run (~25 s); later runs load it (~5 s)."""
+    """Builds the real cache on the first run (~15 s, the tokenizer); later runs read the GGUF."""
     return load_checkpoint(None, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def gguf_model() -> GgufPair:
-    """The one slow GGUF dequantization in this file, shared by the comparisons below."""
-    model, tokenizer = loader._read_gguf(embedded_gguf_path())
-    return model.eval(), tokenizer
 
 
 def test_embedded_model_shape(embedded: Checkpoint) -> None:
@@ -230,54 +268,26 @@ def test_embedded_model_shape(embedded: Checkpoint) -> None:
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (9, 3)
     assert cfg.tie_word_embeddings and "lm_head.weight" not in embedded.weights
     assert cfg.rope_parameters["rope_theta"] == 100000.0
+    assert cfg.architectures == ["LlamaForCausalLM"]
     assert embedded.weights["model.embed_tokens.weight"].shape == (49152, 576)
     assert embedded.tokenizer is not None and embedded.tokenizer.chat_template
     assert embedded.tokenizer.eos_token == "<|im_end|>"
     assert "embedded SmolLM2-135M-Instruct" in embedded.source
 
 
-def test_second_embedded_load_uses_cache(
+def test_second_embedded_load_uses_cache_which_holds_no_weights(
     embedded: Checkpoint, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def no_conversion(gguf_path: str, out_dir: str) -> None:
         raise AssertionError("the cache should have been used")
 
-    monkeypatch.setattr(loader, "convert_gguf_to_folder", no_conversion)
-    monkeypatch.setattr(loader, "_read_gguf", no_conversion)
-    cache_dir = loader.embedded_cache_dir(embedded_gguf_path())
-    assert os.path.isfile(os.path.join(cache_dir, "model.safetensors"))
+    monkeypatch.setattr(loader, "write_metadata_folder", no_conversion)
+    cache_dir = Path(loader.embedded_cache_dir(embedded_gguf_path()))
+    assert (cache_dir / "config.json").is_file() and (cache_dir / "tokenizer.json").is_file()
+    assert not list(cache_dir.glob("*.safetensors")) and not list(cache_dir.glob("*.bin"))
 
-    again = load_checkpoint(None, torch.bfloat16)
+    packed = load_checkpoint(None, torch.float32, packed=True)
 
-    assert again.weights["model.embed_tokens.weight"].dtype == torch.bfloat16
-    assert again.source == embedded.source
-
-
-def test_cache_weights_equal_gguf(
-    embedded: Checkpoint, gguf_model: GgufPair, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model, tokenizer = gguf_model
-    # the .gguf branch of load_checkpoint, without paying for a second dequantization
-    monkeypatch.setattr(loader, "_read_gguf", lambda path: gguf_model)
-    from_gguf = load_checkpoint(embedded_gguf_path(), torch.float32)
-
-    assert from_gguf.hf_config.num_hidden_layers == 30
-    assert from_gguf.tokenizer is tokenizer
-    assert_weights_equal(embedded, from_gguf.weights, torch.float32)
-
-
-def test_cache_generates_like_gguf(embedded: Checkpoint, gguf_model: GgufPair) -> None:
-    model, tokenizer = gguf_model
-    cached = transformers.AutoModelForCausalLM.from_pretrained(
-        loader.embedded_cache_dir(embedded_gguf_path()), dtype=torch.float32, local_files_only=True
-    ).eval()
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert embedded.tokenizer(prompt).input_ids == tokenizer(prompt).input_ids
-    input_ids = tokenizer(prompt, return_tensors="pt").input_ids
-
-    with torch.no_grad():
-        expected = model.generate(input_ids, max_new_tokens=8, do_sample=False)
-        got = cached.generate(input_ids, max_new_tokens=8, do_sample=False)
-
-    assert got.tolist() == expected.tolist()
+    assert packed.source == embedded.source
+    assert isinstance(packed.weights["model.layers.0.self_attn.q_proj.weight"], PackedWeight)
+    assert loader.load_tokenizer(None).eos_token == "<|im_end|>"

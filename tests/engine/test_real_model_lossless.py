@@ -18,7 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
-from engine.models.loader import embedded_cache_dir, embedded_gguf_path
+from engine.models.loader import embedded_gguf_path, load_checkpoint, prepare_embedded_cache
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_feature_layers
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
@@ -166,25 +166,26 @@ def eagle3_head(tmp_path_factory, reference, feature_stream) -> str:
 
 
 @pytest.fixture(scope="module")
-def perturbed_folder(tmp_path_factory, embedded_folder) -> str:
+def perturbed_folder(tmp_path_factory, plain) -> str:
     """A draft model that is not the target: the embedded model with every layer's matrices scaled
     by 1 + PERTURBATION * N(0, 1), element by element. It agrees with the target on most tokens
     and not all (a copy truncated to its first 10-20 layers agreed on under 7% here), so draft KV
     is rolled back in the draft model and in the target."""
     import shutil
 
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     folder = tmp_path_factory.mktemp("perturbed")
     generator = torch.Generator().manual_seed(0)
-    weights = load_file(os.path.join(embedded_folder, "model.safetensors"))
+    weights = load_checkpoint(None, torch.float32).weights
     for name, tensor in weights.items():
         if name.startswith("model.layers.") and tensor.ndim == 2:
             tensor.mul_(1 + PERTURBATION * torch.randn(tensor.shape, generator=generator))
     save_file(weights, str(folder / "model.safetensors"))
-    for name in os.listdir(embedded_folder):
+    cache = prepare_embedded_cache()  # config.json and the tokenizer files
+    for name in os.listdir(cache):
         if name.endswith((".json", ".jinja")):
-            shutil.copy(os.path.join(embedded_folder, name), folder)
+            shutil.copy(os.path.join(cache, name), folder)
     return str(folder)
 
 
@@ -194,7 +195,7 @@ METHODS = {
     "suffix": ({"method": "suffix", "num_speculative_tokens": 4}, None),
     "adaptive_suffix": ({"method": "suffix", "num_speculative_tokens": 4, "adaptive": True}, None),
     "draft_model_itself": ({"method": "draft_model", "num_speculative_tokens": NUM_STAGES},
-                           "embedded_folder"),
+                           "embedded_gguf"),
     "mlp_speculator": ({"method": "mlp_speculator", "num_speculative_tokens": NUM_STAGES},
                        "mlp_speculator"),
     "eagle": ({"method": "eagle", "num_speculative_tokens": NUM_STAGES}, "eagle_head"),
@@ -213,9 +214,9 @@ METHODS = {
 
 
 @pytest.fixture(scope="module")
-def embedded_folder(plain) -> str:
-    """The converted float32 folder of the embedded model (exists once `plain` loaded it)."""
-    return embedded_cache_dir(embedded_gguf_path())
+def embedded_gguf() -> str:
+    """The embedded model's own file, drafting for itself."""
+    return embedded_gguf_path()
 
 
 def mismatch_report(prompt: list[int], got: list[int], want: list[int], tokenizer) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import shutil
 
-import torch
 from tiny_models import build_tiny_checkpoint
 
 from engine.models import loader
@@ -21,9 +20,7 @@ EOS_TOKEN_ID = 2
 def build_tiny_chat_checkpoint(path, **overrides) -> str:
     """Save the tiny random Llama with the embedded tokenizer's files beside it; `overrides` change
     its config as build_tiny_checkpoint's do (e.g. a longer max_position_embeddings)."""
-    embedded = loader.embedded_cache_dir(loader.embedded_gguf_path())
-    if not os.path.isfile(os.path.join(embedded, "config.json")):
-        loader.load_checkpoint(None, torch.float32)  # converts the GGUF once (~25 s)
+    embedded = loader.prepare_embedded_cache()  # its tokenizer files, converted once
     path = build_tiny_checkpoint(path, "llama", vocab_size=VOCAB_SIZE, bos_token_id=BOS_TOKEN_ID,
                                  eos_token_id=EOS_TOKEN_ID, **overrides)
     for name in TOKENIZER_FILES:
