@@ -23,6 +23,9 @@ DTYPES: dict[str, torch.dtype] = {
 # and SDPA over a gathered copy of the context (measured on GPUs, docs/perf.md); "triton" =
 # specserve's Triton kernels (kernels/), tested under the interpreter and compiled for sm_90
 GPU_KERNELS = ("torch", "triton")
+# "auto": keep the checkpoint's quantized or 16-bit weights packed on the CPU (GGUF blocks,
+# bf16/f16) and compute in float32; "none": expand them to the dtype
+QUANTIZATION_MODES = ("auto", "none")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                  "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
 
@@ -41,6 +44,8 @@ class ModelConfig:
     num_threads: int | None = None
     # one of GPU_KERNELS; "triton" on the CPU only under TRITON_INTERPRET=1 (tests)
     gpu_kernels: str = "torch"
+    # one of QUANTIZATION_MODES; see keep_weights_packed for when "auto" packs
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
@@ -53,6 +58,9 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"quantization (--quantization) must be one of "
+                             f"{', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
         if self.gpu_kernels not in GPU_KERNELS:
             raise ValueError(f"gpu_kernels must be one of {', '.join(GPU_KERNELS)}, "
                              f"got {self.gpu_kernels!r}")
@@ -68,6 +76,14 @@ class ModelConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def keep_weights_packed(self) -> bool:
+        """Load the weights packed (engine/models/packed_weight.py): with quantization and dtype
+        both "auto", on the CPU only. An explicit dtype (float32 included) expands them, as does
+        CUDA, which runs bfloat16."""
+        return (self.quantization == "auto" and self.dtype == "auto"
+                and self.torch_device.type == "cpu")
 
     @property
     def torch_dtype(self) -> torch.dtype:

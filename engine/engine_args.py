@@ -14,6 +14,8 @@ from engine.spec_config import SpeculativeConfig
 class EngineArgs:
     model: str | None = None
     dtype: str = "auto"
+    # "auto" keeps quantized / 16-bit weights packed on the CPU, "none" expands them (engine/config.py)
+    quantization: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -35,7 +37,7 @@ class EngineArgs:
         return (
             ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
                         max_model_len=self.max_model_len, num_threads=self.num_threads,
-                        gpu_kernels=self.gpu_kernels),
+                        gpu_kernels=self.gpu_kernels, quantization=self.quantization),
             CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory_gib,
                         num_blocks=self.num_kv_blocks,
                         enable_prefix_caching=self.enable_prefix_caching),

@@ -28,9 +28,9 @@ DEFAULT_CACHE_SALT = "offline"
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """Keywords are EngineArgs' (engine/engine_args.py): dtype, device, max_model_len,
-        max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_gib, num_kv_blocks,
-        num_threads, gpu_kernels, speculative_config."""
+        """Keywords are EngineArgs' (engine/engine_args.py): dtype, quantization, device,
+        max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_gib,
+        num_kv_blocks, num_threads, gpu_kernels, speculative_config."""
         speculative_config = engine_args.pop("speculative_config", None)
         if isinstance(speculative_config, SpeculativeConfig):
             args = EngineArgs(model=model, **engine_args)

@@ -12,6 +12,9 @@ import time
 from collections.abc import Mapping
 
 API_KEY_ENV = "SPECSERVE_API_KEY"
+QUANTIZATION_HELP = ("auto: keep the checkpoint's quantized or 16-bit weights packed on the CPU "
+                     "(GGUF blocks, bf16/f16) and compute in float32; none: expand them to --dtype "
+                     "(default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None,
                      help="local Hugging Face folder or .gguf file (default: embedded SmolLM2-135M)")
     gen.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    gen.add_argument("--quantization", default="auto", help=QUANTIZATION_HELP)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -61,6 +65,7 @@ def _add_serve_parser(commands) -> None:
                        help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5}\'; '
                             '"none" turns speculation off (default: %(default)s)')
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    serve.add_argument("--quantization", default="auto", help=QUANTIZATION_HELP)
     serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     serve.add_argument("--max-model-len", type=int, default=None)
     serve.add_argument("--max-num-seqs", type=int, default=64)
@@ -101,7 +106,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from server.serve import ServerArgs, serve
 
     engine_args = EngineArgs(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+        max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory_gib,
         num_threads=args.num_threads, gpu_kernels=args.gpu_kernels,
@@ -187,7 +193,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens)
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
+              max_model_len=args.max_model_len,
               num_threads=args.num_threads, speculative_config=args.speculative_config)
     start = time.perf_counter()
     result = llm.chat([{"role": "user", "content": args.message}], params)[0]

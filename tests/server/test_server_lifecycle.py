@@ -25,6 +25,7 @@ DEADLINE_S = 60
     (["--max-num-seqs", "0"], "max_num_seqs"),
     (["--model", "/no/such/model"], "no such file"),
     (["--dtype", "int3"], "dtype"),
+    (["--quantization", "q4"], "--quantization"),
     (["--port", "70000"], "--port"),
     (["--max-body-mib", "0"], "--max-body-mib"),
 ])
