@@ -72,7 +72,8 @@ def _ready_message(core: EngineCore) -> EngineReady:
         device=str(worker.device), num_kv_blocks=worker.kv_spec.num_blocks,
         block_size=worker.kv_spec.block_size,
         speculative_method=None if spec is None else spec.method,
-        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
+        num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+        memory=worker.memory.describe())
 
 
 class EngineLoop:

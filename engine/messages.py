@@ -51,6 +51,8 @@ class EngineReady:
     # None when speculation is off
     speculative_method: str | None
     num_speculative_tokens: int
+    # weights as held, KV cache and resident memory, in words (engine/models/memory.py)
+    memory: str = ""
 
 
 @dataclass

@@ -15,6 +15,8 @@ from engine.draft_tree import row_parents
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
+from engine.models.memory import MemoryReport, resident_bytes
+from engine.models.packed_model import packed_bytes
 from engine.paged_runner import PagedRunner, SequenceRows
 from engine.proposers.base import TargetHandle
 from engine.scheduler import SampledTokens, SchedulerOutput
@@ -45,7 +47,8 @@ class Worker:
             # NOTE: cuDNN's SDPA builds a plan for every new KV length: measured 1.9 ms of CPU per call,
             # 60% of a decode step on an H100 (benchmarks/profile_step.py); the other backends need none
             torch.backends.cuda.enable_cudnn_sdp(False)
-        checkpoint = load_checkpoint(model_config.model, self.dtype)
+        self.weights_packed = model_config.keep_weights_packed
+        checkpoint = load_checkpoint(model_config.model, self.dtype, packed=self.weights_packed)
         self.tokenizer = checkpoint.tokenizer
         # what was loaded, in words (logs and the server's start-up line)
         self.source = checkpoint.source
@@ -63,10 +66,14 @@ class Worker:
                                           self.kv_spec.block_size, self.dtype, self.device),
             blocks, self.arch.sliding_window, self.device,
             "triton" if self.gpu_kernels == "triton" else "auto")
-        logger.info("loaded %s: %d layers, %s on %s (%s matmuls); KV cache %d blocks x %d tokens",
-                    checkpoint.source, self.arch.num_layers, self.dtype, self.device,
-                    self.linear_backend,
-                    self.kv_spec.num_blocks, self.kv_spec.block_size)
+        packed, dense = packed_bytes(self.model)
+        # what start-up reports: the weights as held (packed + float), the KV cache, the process
+        self.memory = MemoryReport(packed, dense, self.kv_spec.num_blocks * self.kv_spec.block_size
+                                   * self.kv_spec.bytes_per_token, resident_bytes())
+        logger.info("loaded %s: %d layers, %s on %s (%s matmuls); KV cache %d blocks x %d tokens; "
+                    "%s", checkpoint.source, self.arch.num_layers, self.dtype, self.device,
+                    self.linear_backend, self.kv_spec.num_blocks, self.kv_spec.block_size,
+                    self.memory.describe())
 
     def _size_kv_cache(self, model_config: ModelConfig, cache_config: CacheConfig) -> KVCacheSpec:
         arch = self.arch
@@ -103,7 +110,8 @@ class Worker:
     def target_handle(self) -> TargetHandle:
         """What drafters may use of the target (engine/proposers/base.py)."""
         return TargetHandle(self.arch, self.model, self.dtype, self.device,
-                            self.kv_spec.num_blocks, self.kv_spec.block_size)
+                            self.kv_spec.num_blocks, self.kv_spec.block_size,
+                            weights_packed=self.weights_packed)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

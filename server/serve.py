@@ -122,9 +122,9 @@ async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
                             max_body_bytes=server_args.max_body_bytes,
                             read_timeout=server_args.read_timeout)
         method = ready.speculative_method or "none"
-        logger.info("engine ready: %s as %r, %s on %s, context %d, %d KV blocks of %d tokens",
+        logger.info("engine ready: %s as %r, %s on %s, context %d, %d KV blocks of %d tokens; %s",
                     ready.model_name, name, ready.dtype, ready.device, ready.max_model_len,
-                    ready.num_kv_blocks, ready.block_size)
+                    ready.num_kv_blocks, ready.block_size, ready.memory)
         logger.info("speculation: %s%s", method,
                     f" (k = {ready.num_speculative_tokens})" if ready.speculative_method else "")
         if server_args.api_keys:  # NOTE: tenants by digest; a key itself is never logged

@@ -29,6 +29,9 @@ class TargetHandle:
     device: torch.device
     num_blocks: int
     block_size: int
+    # the target keeps its file's packed weights (engine/config.py's keep_weights_packed); a draft
+    # model loads the same way
+    weights_packed: bool = False
 
     @property
     def embed_tokens(self) -> nn.Embedding:

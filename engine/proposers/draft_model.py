@@ -32,7 +32,7 @@ class _DraftState:
 
 class DraftModelProposer(Proposer):
     def __init__(self, model_path: str, target: TargetHandle) -> None:
-        checkpoint = load_checkpoint(model_path, target.dtype)
+        checkpoint = load_checkpoint(model_path, target.dtype, packed=target.weights_packed)
         arch = LlamaArch.from_hf_config(checkpoint.hf_config)
         if arch.vocab_size != target.arch.vocab_size:
             raise ValueError(f"draft model vocab {arch.vocab_size} differs from the target's "

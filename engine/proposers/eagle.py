@@ -37,7 +37,10 @@ from engine.request import Request
 @torch.inference_mode()
 def linear_weight(linear: nn.Module) -> torch.Tensor:
     """A linear layer's [out, in] weight, whatever layout it keeps (the CPU path pre-packs weights
-    for oneDNN and drops the plain tensor): the layer applied to the identity, exact in any float."""
+    for oneDNN and drops the plain tensor): the layer applied to the identity, exact in any float;
+    a packed layer dequantizes its own."""
+    if hasattr(linear, "dequantized_weight"):
+        return linear.dequantized_weight()
     probe = next(linear.buffers(), None)
     if probe is None:
         probe = next(linear.parameters())
