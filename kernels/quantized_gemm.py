@@ -27,7 +27,7 @@ def quantized_gemm_available() -> bool:
     return load_cpu_library("quantized_gemm") and torch.ops.specserve.quantized_gemm_supported()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KernelWeight:
     """A weight as the kernel reads it: uint8 [groups, bytes per group]."""
 

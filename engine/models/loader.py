@@ -82,8 +82,7 @@ def load_tokenizer(model: str | None) -> transformers.PreTrainedTokenizerBase | 
     if path.endswith(".gguf") and _is_embedded_gguf(path):
         path = prepare_embedded_cache()
     if path.endswith(".gguf"):
-        folder, name = os.path.split(path)
-        return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        return _gguf_tokenizer(path)
     if any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return None
@@ -151,11 +150,17 @@ def _progress_disabled() -> bool:
 
 def _load_gguf(path: str, dtype: torch.dtype, packed: bool) -> Checkpoint:
     hf_config, weights = read_gguf(path, dtype, packed)
+    return Checkpoint(hf_config, weights, _gguf_tokenizer(path), source=f"GGUF file {path}")
+
+
+def _gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase | None:
+    """The tokenizer a GGUF describes; None for a file that holds none (as for a folder)."""
+    import gguf
+
+    if "tokenizer.ggml.model" not in gguf.GGUFReader(path).fields:
+        return None
     folder, name = os.path.split(path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        folder, gguf_file=name, local_files_only=True
-    )
-    return Checkpoint(hf_config, weights, tokenizer, source=f"GGUF file {path}")
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
 
 
 # ---------------------------------------------------------------- the embedded default

@@ -68,16 +68,17 @@ def install_packed_weights(model: LlamaForCausalLM, weights: Mapping[str, torch.
 
 
 def packed_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(bytes of packed weights, bytes of float parameters and buffers) the model holds."""
-    packed = 0
+    """(bytes of packed weights, bytes of float parameters and buffers) the model holds; a table
+    shared by the embedding and the tied LM head counts once."""
+    tables = {}
     for module in model.modules():
-        if isinstance(module, QuantizedLinear) and not _is_tied_head(model, module):
-            packed += module.nbytes
+        if isinstance(module, QuantizedLinear):
+            tables.update((id(part), part) for part in module.parts)
         elif isinstance(module, QuantizedEmbedding):
-            packed += module.nbytes
-    dense = sum(t.numel() * t.element_size() for t in
-                {id(t): t for t in (*model.parameters(), *model.buffers())}.values())
-    return packed, dense
+            tables[id(module.table)] = module.table
+    dense = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return (sum(table.nbytes for table in tables.values()),
+            sum(t.numel() * t.element_size() for t in dense.values()))
 
 
 def packed_formats(model: torch.nn.Module) -> list[str]:
@@ -89,8 +90,3 @@ def packed_formats(model: torch.nn.Module) -> list[str]:
         elif isinstance(module, QuantizedEmbedding):
             formats.add(module.table.format)
     return sorted(formats)
-
-
-def _is_tied_head(model: torch.nn.Module, module: QuantizedLinear) -> bool:
-    embedding = getattr(model, "embed_tokens", None)
-    return isinstance(embedding, QuantizedEmbedding) and module.parts == [embedding.table]
