@@ -1,4 +1,6 @@
-"""The real embedded SmolLM2-135M-Instruct in float32: greedy tokens equal transformers', alone and batched."""
+"""The real embedded SmolLM2-135M-Instruct as served by default, its Q4_1/Q8_0 weights kept packed:
+greedy tokens equal transformers' (float32 on the dequantized weights), alone and batched, and
+equal the float32-expanded engine's."""
 
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(None, dtype="float32", num_threads=2, max_model_len=1024)
+    llm = LLM(None, num_threads=2, max_model_len=1024)
+    assert llm.engine.worker.memory.packed_weight_bytes > 90e6  # the default: packed Q4_1 / Q8_0
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def test_greedy_matches_transformers_alone_and_batched(llm, reference, prompts):
 
 
 def test_ngram_speculation_keeps_greedy_tokens(llm, prompts):
-    spec = LLM(None, dtype="float32", num_threads=2, max_model_len=1024,
+    spec = LLM(None, num_threads=2, max_model_len=1024,
                speculative_config={"method": "ngram", "num_speculative_tokens": 5})
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -79,7 +83,7 @@ def test_draft_model_proposer_on_the_real_model(llm, prompts):
     """The target as its own draft: every draft is accepted, so the draft's own paged KV and its
     rollback bookkeeping are right on the real model, and greedy tokens are unchanged."""
     draft = embedded_gguf_path()
-    spec = LLM(None, dtype="float32", num_threads=2, max_model_len=1024,
+    spec = LLM(None, num_threads=2, max_model_len=1024,
                speculative_config={"method": "draft_model", "model": draft,
                                    "num_speculative_tokens": 3})
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -131,3 +135,17 @@ def test_prompt_longer_than_max_model_len_is_rejected(llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate({"prompt_token_ids": [1] * 1024}, SamplingParams(max_tokens=4))
     assert not llm.engine.has_unfinished
+
+
+def test_packed_logprobs_equal_the_float32_expansion(llm, prompts):
+    """Packing changes where the weights' bits live, not the floats: the default engine's logprobs
+    equal `--dtype float32`'s (the GGUF expanded as transformers expands it) bit for bit."""
+    expanded = LLM(None, dtype="float32", num_threads=2, max_model_len=1024)
+    assert expanded.engine.worker.memory.packed_weight_bytes == 0
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    got, want = llm.generate(requests, params), expanded.generate(requests, params)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [(lp.logprob, lp.top) for lp in a.outputs[0].logprobs] == \
+            [(lp.logprob, lp.top) for lp in b.outputs[0].logprobs]

@@ -1,4 +1,4 @@
-"""The real embedded SmolLM2-135M-Instruct in float32: every proposer keeps greedy output
+"""The real embedded SmolLM2-135M-Instruct as served by default (packed Q4_1/Q8_0 weights): every proposer keeps greedy output
 token-identical to decoding without speculation. The prompts are batched in one generate call, and
 the KV cache is so small that requests get preempted and recomputed mid-answer.
 
@@ -61,7 +61,7 @@ PERTURBATION = 0.15  # the relative noise on the weights of the draft model that
 @pytest.fixture(scope="module")
 def plain() -> LLM:
     """No speculation and a roomy KV cache: the reference."""
-    return LLM(None, dtype="float32", num_threads=NUM_THREADS, max_model_len=MAX_MODEL_LEN)
+    return LLM(None, num_threads=NUM_THREADS, max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -240,7 +240,7 @@ def test_greedy_is_token_identical_batched_and_preempted(request, prompts, expec
     config, folder_fixture = METHODS[method]
     if folder_fixture is not None:
         config = {**config, "model": request.getfixturevalue(folder_fixture)}
-    llm = LLM(None, dtype="float32", num_threads=NUM_THREADS, max_model_len=MAX_MODEL_LEN,
+    llm = LLM(None, num_threads=NUM_THREADS, max_model_len=MAX_MODEL_LEN,
               num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=True, speculative_config=config)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
     for prompt, out, want in zip(prompts, outs, expected):
