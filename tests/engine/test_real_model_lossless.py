@@ -1,5 +1,5 @@
-"""The real embedded SmolLM2-135M-Instruct as served by default (packed Q4_1/Q8_0 weights): every proposer keeps greedy output
-token-identical to decoding without speculation. The prompts are batched in one generate call, and
+"""The real embedded SmolLM2-135M-Instruct as served by default (packed Q4_1/Q8_0 weights): every
+proposer keeps greedy output token-identical to decoding without speculation. The prompts are batched in one generate call, and
 the KV cache is so small that requests get preempted and recomputed mid-answer.
 
 Prompts ask the model to copy (a list, a paragraph, code to edit, a count), so drafts are accepted
