@@ -4,6 +4,7 @@ rows, timed through the engine's own worker; the floor is the weights' bytes ove
 measured read bandwidth.
 
 Run: python -m benchmarks.bench_verify_cost [--context 100 800] [--repeats 30] [--threads N]
+     [--dtype auto|float32]   (auto: packed GGUF weights, the default; float32: expanded)
 The aims (issue 15): verifying 1 + k rows (k <= 8) costs at most 1.3x one row; one row within 1.25x
 of the floor. The speedup speculation
 can reach is tau * t(1) / (t(1 + k) + t_draft), so this ratio caps it.
@@ -20,6 +21,7 @@ import torch
 from benchmarks.common import cpu_name
 from engine import LLM
 from engine.attention import build_attention_metadata
+from engine.models.packed_model import packed_bytes
 
 AIM = 1.3
 FLOOR_AIM = 1.25
@@ -38,10 +40,10 @@ def read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step streams: every parameter and buffer (oneDNN's packed weights included)
-    once, except the embedding table, of which a step reads one row per token (unless the LM head
-    multiplies by that very tensor)."""
+    and every packed (quantized) weight once, except the embedding table, of which a step reads one
+    row per token (unless the LM head multiplies by that very tensor)."""
     lm_head = getattr(model.lm_head, "weight", None)
-    seen, total = set(), 0
+    seen, total = set(), packed_bytes(model)[0]
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if id(tensor) in seen or (name.startswith("embed_tokens") and tensor is not lm_head):
             continue
@@ -75,9 +77,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[100, 800])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto",
+                        help="auto: the GGUF's weights kept packed (the default); float32: expanded")
     args = parser.parse_args()
-    llm = LLM(None, dtype="float32", max_model_len=4096, num_threads=args.threads)
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, float32, median of {args.repeats}")
+    llm = LLM(None, dtype=args.dtype, max_model_len=4096, num_threads=args.threads)
+    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} threads, {llm.engine.worker.linear_backend}, "
+          f"median of {args.repeats}")
     bandwidth, size = read_bandwidth(), weight_bytes(llm.engine.worker.model)
     floor_ms = size / bandwidth * 1e3
     print(f"weights {size / 1e6:.0f} MB, read bandwidth {bandwidth / 1e9:.1f} GB/s: "
