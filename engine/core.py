@@ -66,7 +66,8 @@ class EngineCore:
             self.worker.capture_aux_hidden(self.proposer.target_feature_layers)
         self.adaptive: AdaptiveSpeculation | None = None
         if speculative_config is not None and speculative_config.adaptive:
-            self.adaptive = AdaptiveSpeculation(has_soft_drafts=not self.proposer.drafts_for_free)
+            self.adaptive = AdaptiveSpeculation(has_soft_drafts=not self.proposer.drafts_for_free,
+                                                drafts_first=self.proposer.drafts_for_free)
             calibrate_verify_cost(self.adaptive.cost, self.worker, self.scheduler.block_manager,
                                   self.sampler, min(scheduler_config.max_num_batched_tokens,
                                                     self.worker.kv_spec.max_model_len))

@@ -25,6 +25,15 @@ child) or b_r (rank r), never above its parent's, and a tree is valued and cut b
 nodes is observed with its nodes' ranks in the uncut tree, so a dropped first guess does not
 promote the second to first. (With sampled drafts, siblings after the kept one were not tested;
 they count as not kept, which is exact for greedy requests.)
+
+A proposer that drafts before the policy chooses (suffix, n-gram: `Proposer.drafts_for_free`) says
+how sure it is by how much it offers: a suffix draft is as long as its match and as the path its
+counts back, so on held-out prompts a 1-token draft's first token was kept 20% of the time and an
+8-token draft's 95%. Pooled, the short guesses (most drafts) priced every long one as a guess and
+the policy cut copied passages that verification would have kept. So a_j is also kept per offered
+length n (the draft's length before the cut), a request's shrunk toward the engine's for that n;
+the engine's a_1 for n toward its a_1 for n - 1 (a length not seen yet is taken as good as the
+next shorter one), its deeper a_j toward the engine's a_j over all lengths.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ INITIAL_SIBLING_ACCEPTANCE = 0.3
 MAX_ACCEPTANCE = 0.98
 # positions tracked; deeper drafts share the last one's estimate
 MAX_POSITIONS = 32
+# offered draft lengths tracked apart; longer offers share the last one's estimates
+MAX_OFFERED = 16
 
 
 class _PositionCounts:
@@ -94,16 +105,50 @@ class _PositionCounts:
         return np.minimum(rate, MAX_ACCEPTANCE)
 
 
+class _OfferedCounts:
+    """Decayed accepted / rejected counts per (offered length n, draft position j) of chains."""
+
+    def __init__(self) -> None:
+        self.accepted = np.zeros((MAX_OFFERED, MAX_POSITIONS))
+        self.rejected = np.zeros((MAX_OFFERED, MAX_POSITIONS))
+
+    def add_chain(self, num_offered: int, num_draft_tokens: int, num_accepted: int,
+                  decay: float) -> None:
+        self.accepted *= decay
+        self.rejected *= decay
+        row = min(num_offered, MAX_OFFERED) - 1
+        self.accepted[row, :min(num_accepted, MAX_POSITIONS)] += 1.0
+        if num_accepted < num_draft_tokens:
+            self.rejected[row, min(num_accepted + 1, MAX_POSITIONS) - 1] += 1.0
+
+    def estimate(self, prior: np.ndarray, prior_weight: float) -> np.ndarray:
+        """[MAX_OFFERED, MAX_POSITIONS] a_j per offered length n: a_1 shrunk toward a_1 of n - 1 (of
+        n = 1: toward prior[0]), a_j (j > 1) toward prior[j - 1], the engine's over every length
+        (once a copied passage starts it holds, whatever was offered).
+
+        a_1's recurrence down the lengths unrolled as in _PositionCounts.estimate."""
+        tested = self.accepted + self.rejected + prior_weight
+        rate = (self.accepted + prior_weight * prior[None, :]) / tested
+        c, d = self.accepted[:, 0] / tested[:, 0], prior_weight / tested[:, 0]
+        products = np.cumprod(d)
+        rate[:, 0] = products * (prior[0] + np.cumsum(c / products))
+        return np.minimum(rate, MAX_ACCEPTANCE)
+
+
 class AcceptanceTracker:
     def __init__(self) -> None:
         self._engine = _PositionCounts()
         self._requests: dict[str, _PositionCounts] = {}
+        # chains of proposers that drafted before the cut, by offered length (module docstring)
+        self._engine_offered = _OfferedCounts()
+        self._requests_offered: dict[str, _OfferedCounts] = {}
         # later siblings of trees, by rank (position r - 1 holds rank r), engine-wide
         self._siblings = _PositionCounts()
         # the engine's estimates, the prior of every request: computed once per batch of
         # verifications, not once per request and step
         self._engine_estimate: np.ndarray | None = None
         self._sibling_estimate: np.ndarray | None = None
+        self._engine_offered_estimate: np.ndarray | None = None
 
     @property
     def engine_acceptance(self) -> np.ndarray:
@@ -119,15 +164,35 @@ class AcceptanceTracker:
             self._sibling_estimate = self._siblings.estimate(INITIAL_SIBLING_ACCEPTANCE, 1.0)
         return self._sibling_estimate
 
-    def conditional_acceptance(self, request_id: str) -> np.ndarray:
-        """[MAX_POSITIONS] a_j for the request: its own recent verifications over the engine's."""
+    def engine_offered_acceptance(self, num_offered: int) -> np.ndarray:
+        """[MAX_POSITIONS] a_j over all recent verifications of chains offered `num_offered` long."""
+        if self._engine_offered_estimate is None:
+            self._engine_offered_estimate = self._engine_offered.estimate(
+                self.engine_acceptance, 1.0)
+        return self._engine_offered_estimate[min(num_offered, MAX_OFFERED) - 1]
+
+    def conditional_acceptance(self, request_id: str,
+                               num_offered: int | None = None) -> np.ndarray:
+        """[MAX_POSITIONS] a_j for the request: its own recent verifications over the engine's;
+        with `num_offered`, those of drafts offered that long (a proposer that drafted first)."""
+        if num_offered is not None and num_offered > 0:
+            prior = self.engine_offered_acceptance(num_offered)
+            counts = self._requests_offered.get(request_id)
+            if counts is None:
+                return prior
+            row = min(num_offered, MAX_OFFERED) - 1
+            tested = counts.accepted[row] + counts.rejected[row] + PRIOR_WEIGHT
+            return np.minimum((counts.accepted[row] + PRIOR_WEIGHT * prior) / tested,
+                              MAX_ACCEPTANCE)
         prior = self.engine_acceptance
         counts = self._requests.get(request_id)
         return prior if counts is None else counts.estimate_toward(prior, PRIOR_WEIGHT)
 
-    def emission_chances(self, request_id: str, depth: int) -> np.ndarray:
-        """[depth]: the chance that draft j (1-based) is accepted, a_1 · … · a_j; non-increasing."""
-        conditional = self.conditional_acceptance(request_id)
+    def emission_chances(self, request_id: str, depth: int,
+                         num_offered: int | None = None) -> np.ndarray:
+        """[depth]: the chance that draft j (1-based) is accepted, a_1 · … · a_j; non-increasing.
+        `num_offered`: the draft the proposer offered, when it drafted before the cut."""
+        conditional = self.conditional_acceptance(request_id, num_offered)
         per_position = conditional[np.minimum(np.arange(depth), MAX_POSITIONS - 1)]
         return np.cumprod(per_position)
 
@@ -146,15 +211,21 @@ class AcceptanceTracker:
 
     def observe(self, request_id: str, num_draft_tokens: int, num_accepted: int,
                 parents: Sequence[int] | None = None, accepted_drafts: Sequence[int] | None = None,
-                ranks: Sequence[int] | None = None) -> None:
+                ranks: Sequence[int] | None = None, num_offered: int | None = None) -> None:
         """One verification of `num_draft_tokens` drafts, a chain or the tree `parents`, that kept
         `num_accepted` of them (of a tree: the first of the path `accepted_drafts`); `ranks`: the
-        drafts' ranks in the proposer's tree when the policy cut this one from it."""
+        drafts' ranks in the proposer's tree when the policy cut this one from it;
+        `num_offered`: a chain's length as the proposer offered it, before the cut."""
         counts = self._requests.setdefault(request_id, _PositionCounts())
-        self._engine_estimate = None
+        self._engine_estimate = self._engine_offered_estimate = None
         if parents is None and ranks is None:  # the common case, every step of every request
             counts.add_chain(num_draft_tokens, num_accepted, REQUEST_DECAY)
             self._engine.add_chain(num_draft_tokens, num_accepted, ENGINE_DECAY)
+            if num_offered is not None and num_offered >= num_draft_tokens:
+                self._requests_offered.setdefault(request_id, _OfferedCounts()).add_chain(
+                    num_offered, num_draft_tokens, num_accepted, REQUEST_DECAY)
+                self._engine_offered.add_chain(num_offered, num_draft_tokens, num_accepted,
+                                               ENGINE_DECAY)
             return
         accepted = (list(range(num_accepted)) if parents is None
                     else list(accepted_drafts or ())[:num_accepted])
@@ -168,3 +239,4 @@ class AcceptanceTracker:
 
     def free(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+        self._requests_offered.pop(request_id, None)

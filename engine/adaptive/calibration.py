@@ -40,7 +40,7 @@ def calibrate_verify_cost(cost: StepCostModel, worker: Worker, block_manager: Bl
             if round_index > 0:
                 fastest[num_tokens] = min(fastest[num_tokens], seconds)
     for num_tokens in sizes:
-        cost.observe_verify(num_tokens, fastest[num_tokens])
+        cost.calibrate(num_tokens, fastest[num_tokens])
 
 
 def _time_verification(worker: Worker, block_manager: BlockManager, sampler: RejectionSampler,

@@ -94,11 +94,15 @@ def best_draft_lengths(chances: np.ndarray, caps: np.ndarray, num_known_tokens: 
 class AdaptiveSpeculation:
     """Per-request k for the engine: learns costs and acceptance from the steps it sees."""
 
-    def __init__(self, has_soft_drafts: bool = True) -> None:
+    def __init__(self, has_soft_drafts: bool = True, drafts_first: bool = False) -> None:
         """`has_soft_drafts`: the proposer samples its drafts from a q (a model drafter), so a seeded
         request's text depends on its draft lengths and must keep its cap; one-hot drafts (n-gram,
-        suffix) leave a seeded request's text as without speculation, so its k may adapt too."""
+        suffix) leave a seeded request's text as without speculation, so its k may adapt too.
+        `drafts_first`: the proposer drafts before the choice (Proposer.drafts_for_free), so each
+        cap is the draft it offered, and a chain's acceptance is read for drafts offered that long
+        (acceptance.py)."""
         self.has_soft_drafts = has_soft_drafts
+        self.drafts_first = drafts_first
         self.cost = StepCostModel()
         self.acceptance = AcceptanceTracker()
         # request id -> steps in a row it could have drafted but was given k = 0
@@ -108,6 +112,10 @@ class AdaptiveSpeculation:
         # _new_cuts until this step's verifications are observed
         self._cuts: dict[str, tuple[list[int], list[int]]] = {}
         self._new_cuts: dict[str, tuple[list[int], list[int]] | None] = {}
+        # request id -> the length of the draft offered before the cut, for the verification of
+        # this step (_offered) and of the next (_new_offered), as with the cuts
+        self._offered: dict[str, int] = {}
+        self._new_offered: dict[str, int] = {}
         # the cost model's pass count at the last exploration: at most one per STALE_AFTER passes,
         # so a busy batch whose sizes vary (prefill chunks) pays for at most that share of them
         self._explored_at = -STALE_AFTER
@@ -158,6 +166,7 @@ class AdaptiveSpeculation:
 
     def keep_best(self, request_id: str, proposal: DraftProposal, k: int) -> DraftProposal:
         """The proposal cut to k drafts: a chain's first k, a tree's k likeliest nodes."""
+        self._new_offered[request_id] = len(proposal.token_ids)
         if not proposal.is_tree or k >= len(proposal.token_ids):
             self._new_cuts[request_id] = None
             return proposal.first(k)
@@ -173,7 +182,8 @@ class AdaptiveSpeculation:
         """[cap] expected tokens from each draft, best first: a chain's positions in order, a
         tree's nodes by their chance of being kept."""
         if parents is None:
-            return self.acceptance.emission_chances(request.request_id, cap)
+            return self.acceptance.emission_chances(request.request_id, cap,
+                                                    cap if self.drafts_first else None)
         return np.sort(self.acceptance.tree_chances(request.request_id, parents))[::-1][:cap]
 
     def _probe(self, request_id: str, cap: int, k: int) -> int:
@@ -208,17 +218,22 @@ class AdaptiveSpeculation:
                          else None)
                 self.acceptance.observe(request_id, item.num_draft_tokens,
                                         len(kept.token_ids) - 1, item.draft_parents,
-                                        kept.accepted_drafts, ranks)
+                                        kept.accepted_drafts, ranks,
+                                        self._offered.get(request_id))
         for request_id, cut in self._new_cuts.items():
             if cut is None:
                 self._cuts.pop(request_id, None)
             else:
                 self._cuts[request_id] = cut
         self._new_cuts.clear()
+        self._offered.update(self._new_offered)
+        self._new_offered.clear()
 
     def free(self, request_id: str) -> None:
         self.acceptance.free(request_id)
         self._cuts.pop(request_id, None)
         self._new_cuts.pop(request_id, None)
+        self._offered.pop(request_id, None)
+        self._new_offered.pop(request_id, None)
         self._steps_without_drafts.pop(request_id, None)
 

@@ -6,6 +6,13 @@ few hundred tokens and then grows (compute-bound), on a CPU it grows from the fi
 of measured points, interpolated and made non-decreasing, serves both. Start-up calibration
 (engine/adaptive/calibration.py) seeds the table; every step then moves its point by an
 exponential average, so the table follows the real mix of batch sizes and context lengths.
+
+A point the engine has not timed lately (a size the policy stopped picking, or one only calibration
+timed) runs at the level of the nearest point it has: its seconds at calibration (its baseline)
+times that point's measured / baseline. Otherwise a busy batch's own size, timed at 8 contexts of
+hundreds of tokens, rises above the calibrated sizes after it (one short context), the monotone fit
+pools them flat, and extra rows look free exactly where they cost most (8 requests at saturation).
+The same rule follows the weights' format and the machine: the ratios are measured, never assumed.
 """
 
 from __future__ import annotations
@@ -34,9 +41,14 @@ class StepCostModel:
     def __init__(self) -> None:
         # bucket -> [mean tokens, mean seconds] of the target passes that fell in it
         self._points: dict[int, list[float]] = {}
-        # target passes observed, and bucket -> the count when it was last measured
+        # target passes observed, and bucket -> the count when it was last measured (calibration
+        # included), and when last by an engine step
         self._num_observed = 0
         self._measured_at: dict[int, int] = {}
+        self._stepped_at: dict[int, int] = {}
+        # bucket -> its seconds at the table's reference level (calibration's): a point not timed by
+        # a step lately is predicted from it and the level of its nearest timed neighbour
+        self._baseline: dict[int, float] = {}
         # drafting: seconds of a step that drafted nothing, and seconds per draft position after that
         self._draft_base: float = 0.0
         self._draft_per_position: float = 0.0
@@ -45,8 +57,15 @@ class StepCostModel:
         self._curve: tuple[np.ndarray, np.ndarray] | None = None
 
     # ------------------------------------------------------------------ learning
+    def calibrate(self, num_tokens: int, seconds: float) -> None:
+        """Start-up calibration timed a pass over `num_tokens` tokens (one sequence) at `seconds`."""
+        self._observe(num_tokens, seconds, is_step=False)
+
     def observe_verify(self, num_tokens: int, seconds: float) -> None:
         """A target pass over `num_tokens` tokens (prefill chunks and drafts included) took `seconds`."""
+        self._observe(num_tokens, seconds, is_step=True)
+
+    def _observe(self, num_tokens: int, seconds: float, is_step: bool) -> None:
         if num_tokens < 1 or not math.isfinite(seconds):
             return
         bucket = _bucket(num_tokens)
@@ -54,11 +73,14 @@ class StepCostModel:
         if point is None or self._num_observed - self._measured_at[bucket] >= STALE_AFTER:
             # a stale point says what the machine did then, not now: the new measurement replaces it
             self._points[bucket] = [float(num_tokens), seconds]
+            self._baseline[bucket] = seconds / self._level_near(bucket) if is_step else seconds
         else:
             point[0] += SMOOTHING * (num_tokens - point[0])
             point[1] += SMOOTHING * (seconds - point[1])
         self._num_observed += 1
         self._measured_at[bucket] = self._num_observed
+        if is_step:
+            self._stepped_at[bucket] = self._num_observed
         self._curve = None
 
     def observe_overhead(self, seconds: float) -> None:
@@ -117,12 +139,36 @@ class StepCostModel:
         if self._curve is None:
             if not self._points:
                 raise RuntimeError("no target pass measured yet")
-            points = sorted(self._points.values())
+            points = sorted((point[0], self._predicted_point(bucket))
+                            for bucket, point in self._points.items())
             tokens = np.array([p[0] for p in points])
             # NOTE: noise can make a bigger pass look cheaper than a smaller one; more tokens never
             # cost less, or extra drafts would look free
             self._curve = tokens, non_decreasing_fit(np.array([p[1] for p in points]))
         return self._curve
+
+    def _is_stepped_lately(self, bucket: int) -> bool:
+        stepped_at = self._stepped_at.get(bucket)
+        return stepped_at is not None and self._num_observed - stepped_at < STALE_AFTER
+
+    def _predicted_point(self, bucket: int) -> float:
+        """Seconds of the bucket's pass: as timed, if an engine step timed it lately; otherwise its
+        baseline at the level of its nearest bucket that was (module docstring)."""
+        if self._is_stepped_lately(bucket):
+            return self._points[bucket][1]
+        return self._baseline[bucket] * self._level_near(bucket)
+
+    def _level_near(self, bucket: int) -> float:
+        """Measured / baseline seconds of the nearest bucket (by tokens, the next smaller first) that
+        an engine step timed lately; 1 when there is none."""
+        tokens = self._points[bucket][0] if bucket in self._points else math.inf
+        timed = [(point[0], other) for other, point in self._points.items()
+                 if other != bucket and self._is_stepped_lately(other)]
+        below = [item for item in timed if item[0] <= tokens]
+        nearest = max(below) if below else min(timed, default=None)
+        if nearest is None:
+            return 1.0
+        return self._points[nearest[1]][1] / self._baseline[nearest[1]]
 
 
 def non_decreasing_fit(values: np.ndarray) -> np.ndarray:

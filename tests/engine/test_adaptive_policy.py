@@ -394,3 +394,80 @@ def test_a_chain_is_recorded_as_the_tree_of_one_branch():
             tree.add(verification_outcomes(None, num_drafts, list(range(num_accepted)))[0], 0.8)
             assert np.array_equal(chain.accepted, tree.accepted)
             assert np.array_equal(chain.rejected, tree.rejected)
+
+
+# ---------------------------------------------------------------- issue 29: held-out prompts, saturation
+CPU_ONE_THREAD = COST_SHAPES["cpu_linear"]
+
+
+def tracker_after_short_guesses_and_copied_passages(tracker: AcceptanceTracker) -> None:
+    """What suffix decoding showed on held-out prompts: most drafts are 1-token guesses kept ~15% of
+    the time; 8-token drafts (long matches) are kept whole ~95% of the time."""
+    for step in range(100):
+        tracker.observe(f"guess-{step}", 1, int(step % 7 == 0), num_offered=1)
+        if step % 4 == 0:
+            tracker.observe(f"copy-{step}", 8, 8 if step % 80 else 0, num_offered=8)
+
+
+@pytest.mark.parametrize("drafts_first, expected_k", [(False, 0), (True, 8)])
+def test_a_long_offered_draft_is_not_priced_as_the_short_guesses(drafts_first, expected_k):
+    """The cause of cuts on held-out prompts (a code edit starting to copy the prompt's code): the
+    request's last 1-token guesses failed, so pooled over every draft its a_1 was ~0.05, and the
+    first 8-token copied passage was dropped on a CPU curve. Read per offered length (the policy
+    of a proposer that drafts first), it is priced as 8-token drafts are kept, and verified whole."""
+    policy = AdaptiveSpeculation(has_soft_drafts=False, drafts_first=drafts_first)
+    for tokens in range(1, 17):
+        policy.cost.calibrate(tokens, float(CPU_ONE_THREAD(tokens)))
+    tracker_after_short_guesses_and_copied_passages(policy.acceptance)
+    for _ in range(5):
+        policy.acceptance.observe("editing", 1, 0, num_offered=1)
+    assert policy.acceptance.conditional_acceptance("editing")[0] < 0.1
+    assert policy.acceptance.conditional_acceptance("editing", 8)[0] > 0.8
+    assert policy.choose([request("editing", temperature=0.0)], [8], 0) == [expected_k]
+
+
+def test_offered_lengths_not_seen_yet_start_from_the_next_shorter_one():
+    tracker = AcceptanceTracker()
+    tracker_after_short_guesses_and_copied_passages(tracker)
+    first = [tracker.engine_offered_acceptance(n)[0] for n in range(1, 9)]
+    assert first[0] < 0.25 and first[-1] > 0.8
+    assert first[1] == pytest.approx(first[0], abs=0.01)  # length 2 never seen: as length 1
+    # a request's own verifications move its estimate for that length only
+    for _ in range(5):
+        tracker.observe("r", 8, 0, num_offered=8)
+    assert tracker.conditional_acceptance("r", 8)[0] < 0.5
+    assert tracker.conditional_acceptance("r", 1)[0] == tracker.engine_offered_acceptance(1)[0]
+
+
+def test_a_busy_batch_does_not_make_larger_passes_look_free():
+    """Calibration times one short sequence; 8 running requests with long contexts make the
+    8-token pass 1.5x dearer. The sizes above it follow that level instead of being pooled flat
+    with it, so extra rows keep their measured price."""
+    cost = StepCostModel()
+    for tokens in range(1, 33):
+        cost.calibrate(tokens, float(CPU_ONE_THREAD(tokens)))
+    for _ in range(30):
+        cost.observe_verify(8, 1.5 * float(CPU_ONE_THREAD(8)))
+    predicted = cost.verify_seconds(np.array([8, 9, 16, 32]))
+    calibrated = CPU_ONE_THREAD(np.array([8, 9, 16, 32]))
+    assert predicted == pytest.approx(1.5 * calibrated, rel=0.01)
+
+
+def test_a_saturated_batch_of_low_acceptance_requests_verifies_nothing_extra():
+    """Concurrency 8 on text the drafts cannot guess (a_1 ~0.1): each extra row costs the same
+    share of a pass as at batch 1, and no request's draft pays for it (issue 29)."""
+    policy = AdaptiveSpeculation(has_soft_drafts=False, drafts_first=True)
+    for tokens in range(1, 33):
+        policy.cost.calibrate(tokens, float(CPU_ONE_THREAD(tokens)))
+    batch = [request(f"sampled-{i}", temperature=1.0) for i in range(8)]
+    for step in range(40):
+        for i, r in enumerate(batch):
+            policy.acceptance.observe(r.request_id, 1, int((step + i) % 10 == 0), num_offered=1)
+            policy.acceptance.observe(r.request_id, 2, 0, num_offered=2)
+        policy.cost.observe_verify(8, 1.5 * float(CPU_ONE_THREAD(8)))
+    assert policy.choose(batch, [2, 1] * 4, 0) == [0] * 8
+    # alone, one such request's 1-token guess is still worth its row at batch 1 on a flat pass
+    alone = AdaptiveSpeculation(has_soft_drafts=False, drafts_first=True)
+    alone.cost = flat_cost()
+    alone.acceptance = policy.acceptance
+    assert alone.choose(batch[:1], [1], 0) == [1]
