@@ -16,7 +16,6 @@ import gguf
 import numpy as np
 import torch
 import transformers
-from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, read_field
 
 from engine.models.packed_weight import PACKED_FORMATS, PackedWeight
 
@@ -40,6 +39,13 @@ def read_gguf(
     back float32 (a format outside the list is expanded, with a warning). packed=False: every
     tensor as a `dtype` tensor.
     """
+    # NOTE: imported here: it pulls in tokenizer converters (~0.8 s) a safetensors model never needs
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        read_field,
+    )
+
     reader = _ArrayGGUFReader(path)
     architecture = read_field(reader, "general.architecture")[0]
     if architecture not in GGUF_ARCHITECTURES:
@@ -48,6 +54,8 @@ def read_gguf(
     if hf_config is None:
         hf_config = read_gguf_config(path)
     hf_names = _hf_names(architecture, hf_config)
+    # NOTE: head counts from the config: a file without head_count_kv is still permuted (llama.cpp
+    # assumes n_kv = n_head), where transformers' own load then skips the un-permutation
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
 
     weights: dict[str, Weight] = {}
