@@ -32,8 +32,9 @@ counts back, so on held-out prompts a 1-token draft's first token was kept 20% o
 8-token draft's 95%. Pooled, the short guesses (most drafts) priced every long one as a guess and
 the policy cut copied passages that verification would have kept. So a_j is also kept per offered
 length n (the draft's length before the cut), a request's shrunk toward the engine's for that n;
-the engine's a_1 for n toward its a_1 for n - 1 (a length not seen yet is taken as good as the
-next shorter one), its deeper a_j toward the engine's a_j over all lengths.
+the engine's a_1 for n toward its a_1 for n - 1, or toward INITIAL_ACCEPTANCE if that is lower (a
+length not seen yet is taken as good as the next shorter one, and never as a failing guess, or it
+would be cut and never seen), its deeper a_j toward the engine's a_j over all lengths.
 """
 
 from __future__ import annotations
@@ -122,16 +123,19 @@ class _OfferedCounts:
             self.rejected[row, min(num_accepted + 1, MAX_POSITIONS) - 1] += 1.0
 
     def estimate(self, prior: np.ndarray, prior_weight: float) -> np.ndarray:
-        """[MAX_OFFERED, MAX_POSITIONS] a_j per offered length n: a_1 shrunk toward a_1 of n - 1 (of
-        n = 1: toward prior[0]), a_j (j > 1) toward prior[j - 1], the engine's over every length
-        (once a copied passage starts it holds, whatever was offered).
-
-        a_1's recurrence down the lengths unrolled as in _PositionCounts.estimate."""
+        """[MAX_OFFERED, MAX_POSITIONS] a_j per offered length n: a_1 shrunk toward a_1 of n - 1 but
+        no lower than INITIAL_ACCEPTANCE (of n = 1: toward prior[0]), a_j (j > 1) toward
+        prior[j - 1], the engine's over every length (once a copied passage starts it holds,
+        whatever was offered)."""
         tested = self.accepted + self.rejected + prior_weight
         rate = (self.accepted + prior_weight * prior[None, :]) / tested
-        c, d = self.accepted[:, 0] / tested[:, 0], prior_weight / tested[:, 0]
-        products = np.cumprod(d)
-        rate[:, 0] = products * (prior[0] + np.cumsum(c / products))
+        # NOTE: a longer offer is never assumed worse than a shorter one; nor, before it is seen,
+        # as bad as failing guesses: priced that low it would be cut, and so never seen
+        first_prior = float(prior[0])
+        for row in range(MAX_OFFERED):
+            rate[row, 0] = ((self.accepted[row, 0] + prior_weight * first_prior)
+                            / tested[row, 0])
+            first_prior = max(float(rate[row, 0]), INITIAL_ACCEPTANCE)
         return np.minimum(rate, MAX_ACCEPTANCE)
 
 
@@ -192,7 +196,8 @@ class AcceptanceTracker:
                          num_offered: int | None = None) -> np.ndarray:
         """[depth]: the chance that draft j (1-based) is accepted, a_1 · … · a_j; non-increasing.
         `num_offered`: the draft the proposer offered, when it drafted before the cut."""
-        conditional = self.conditional_acceptance(request_id, num_offered)
+        conditional = (self.conditional_acceptance(request_id) if num_offered is None
+                       else self.conditional_acceptance(request_id, num_offered))
         per_position = conditional[np.minimum(np.arange(depth), MAX_POSITIONS - 1)]
         return np.cumprod(per_position)
 

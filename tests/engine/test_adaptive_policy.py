@@ -15,6 +15,7 @@ from engine.adaptive import (
     best_draft_lengths,
     geometric_chances,
 )
+from engine.adaptive.acceptance import INITIAL_ACCEPTANCE
 from engine.adaptive.policy import MIN_RELATIVE_GAIN, PROBE_INTERVAL
 from engine.adaptive.step_cost import STALE_AFTER, non_decreasing_fit
 from engine.request import Request
@@ -427,11 +428,14 @@ def test_a_long_offered_draft_is_not_priced_as_the_short_guesses(drafts_first, e
 
 
 def test_offered_lengths_not_seen_yet_start_from_the_next_shorter_one():
+    """An unseen length is as good as the next shorter one, but never priced as a failing guess:
+    cut to nothing, it would never be verified, and never seen."""
     tracker = AcceptanceTracker()
     tracker_after_short_guesses_and_copied_passages(tracker)
-    first = [tracker.engine_offered_acceptance(n)[0] for n in range(1, 9)]
-    assert first[0] < 0.25 and first[-1] > 0.8
-    assert first[1] == pytest.approx(first[0], abs=0.01)  # length 2 never seen: as length 1
+    first = [tracker.engine_offered_acceptance(n)[0] for n in range(1, 10)]
+    assert first[0] < 0.25 and first[7] > 0.8
+    assert first[1] == pytest.approx(INITIAL_ACCEPTANCE)  # length 2 never seen, 1 fails
+    assert first[8] == pytest.approx(first[7])  # length 9 never seen: as good as 8
     # a request's own verifications move its estimate for that length only
     for _ in range(5):
         tracker.observe("r", 8, 0, num_offered=8)
