@@ -46,7 +46,7 @@ def read_gguf(
         read_field,
     )
 
-    reader = _ArrayGGUFReader(path)
+    reader = open_gguf(path)
     architecture = read_field(reader, "general.architecture")[0]
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path} holds a {architecture!r} model; specserve reads GGUF files of "
@@ -92,6 +92,11 @@ def read_gguf_config(path: str) -> transformers.PretrainedConfig:
         model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
         hf_config.architectures = [model_class.__name__]
     return hf_config
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    """gguf-py's reader of a file (metadata parsed, tensors memory-mapped), opened ~3x faster."""
+    return _ArrayGGUFReader(path)
 
 
 class _ArrayGGUFReader(gguf.GGUFReader):
