@@ -59,14 +59,16 @@ def adaptive_policy(spec: dict, cost: CostCurve) -> AdaptiveSpeculation:
 
 def replay(cases: Sequence[tuple[list[int], list[int]]], spec: dict, cost: CostCurve,
            fixed_k: int | None = None, policy: AdaptiveSpeculation | None = None,
-           timing_noise: np.random.Generator | None = None) -> ReplayResult:
+           timing_noise: np.random.Generator | None = None,
+           max_batch: int | None = None) -> ReplayResult:
     """Decode every (prompt, reference output) of `cases` together, as one batch, with the proposer
     of `spec` (a --speculative-config dict): fixed_k None runs the adaptive `policy` (what it
     learnt from earlier replays carries over, as in a running engine; None: a new one) with the
     budget spec["num_speculative_tokens"]; an int verifies up to that many drafts each step (0:
     no speculation). Each request emits its reference output exactly. `timing_noise`: the policy
     is told each step's seconds as a busy machine would time it (spread ±20%, one step in 20 taking
-    twice as long), while the result counts the curve's seconds."""
+    twice as long), while the result counts the curve's seconds. `max_batch`: at most that many run
+    at once, the next case joining as one finishes (a load tester at that concurrency)."""
     config = SpeculativeConfig.from_json(spec)
     proposer = build_proposer(config, None)
     budget = config.num_speculative_tokens if fixed_k is None else fixed_k
@@ -78,10 +80,19 @@ def replay(cases: Sequence[tuple[list[int], list[int]]], spec: dict, cost: CostC
     requests = [Request(f"replay-{next(_request_ids)}", list(prompt), params, frozenset())
                 for prompt, _ in cases]
     references = {r.request_id: ref for r, (_, ref) in zip(requests, cases)}
-    for request in requests:  # the prefill step emits each request's first token
-        request.output_token_ids.append(references[request.request_id][0])
+    waiting = list(requests)
+    running: list[Request] = []
     result = ReplayResult(0, 0, 0.0, 0, 0, 0, 0)
-    running = [r for r in requests if len(references[r.request_id]) > 1]
+
+    def admit() -> None:
+        while waiting and len(running) < (max_batch or len(requests)):
+            request = waiting.pop(0)
+            # the prefill step (not counted) emits the request's first token
+            request.output_token_ids.append(references[request.request_id][0])
+            if len(references[request.request_id]) > 1:
+                running.append(request)
+
+    admit()
     while running:
         caps = [max(0, min(budget, len(references[r.request_id]) - r.num_output_tokens - 1))
                 for r in running]
@@ -123,7 +134,8 @@ def replay(cases: Sequence[tuple[list[int], list[int]]], spec: dict, cost: CostC
             proposer.free(request.request_id)
             if policy is not None:
                 policy.free(request.request_id)
-        running = [r for r in running if r not in finished]
+        running[:] = [r for r in running if r not in finished]
+        admit()
     return result
 
 

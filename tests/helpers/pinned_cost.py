@@ -15,6 +15,9 @@ class PinnedCost(StepCostModel):
         for tokens in (1, 4096):
             super().observe_verify(tokens, base + per_token * tokens)
 
+    def calibrate(self, num_tokens: int, seconds: float) -> None:
+        pass
+
     def observe_verify(self, num_tokens: int, seconds: float) -> None:
         pass
 
