@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__)
@@ -36,6 +37,11 @@
 #endif
 
 namespace {
+
+// Numbers in error messages go through std::to_string, never an ostream: streaming an integer
+// instantiates libstdc++'s number formatting in this library, which crashed (SIGSEGV) against the
+// locale of an older libstdc++ that torch had loaded (seen with g++ 13 on Ubuntu 24.04).
+inline std::string text(int64_t value) { return std::to_string(value); }
 
 constexpr int64_t kLanes = 8;                      // output features per register
 constexpr int64_t kGroupWidth = 2 * kLanes;        // output features per group
@@ -366,7 +372,7 @@ void dispatch(int64_t format, Args&&... args) {
     case kF16: return Op<F16>::run(args...);
     case kBF16: return Op<BF16>::run(args...);
   }
-  TORCH_CHECK(false, "quantized_gemm: unknown format id ", format);
+  TORCH_CHECK(false, "quantized_gemm: unknown format id " + text(format));
 }
 
 template <class F>
@@ -391,7 +397,8 @@ struct BlockOp {
 int64_t group_bytes_for(int64_t format, int64_t K) {
   int64_t block = 0, bytes = 0;
   dispatch<BlockOp>(format, &block);
-  TORCH_CHECK(K % block == 0, "quantized_gemm: K=", K, " is not a multiple of the block, ", block);
+  TORCH_CHECK(K % block == 0,
+              "quantized_gemm: K=" + text(K) + " is not a multiple of the block, " + text(block));
   dispatch<GroupBytesOp>(format, K, &bytes);
   return bytes;
 }
@@ -405,10 +412,10 @@ void check_packed(const at::Tensor& packed, int64_t format, int64_t N, int64_t K
               "quantized_gemm: packed weight must be contiguous uint8 [groups, bytes] on the CPU");
   const int64_t G = packed.size(0);
   TORCH_CHECK(G * kGroupWidth >= N && (G - 1) * kGroupWidth < N,
-              "quantized_gemm: ", G, " groups do not hold ", N, " rows");
+              "quantized_gemm: " + text(G) + " groups do not hold " + text(N) + " rows");
   TORCH_CHECK(packed.size(1) == group_bytes_for(format, K),
-              "quantized_gemm: a group holds ", packed.size(1), " bytes, format ", format, " at K=", K,
-              " needs ", group_bytes_for(format, K));
+              "quantized_gemm: a group holds " + text(packed.size(1)) + " bytes, format " +
+                  text(format) + " at K=" + text(K) + " needs " + text(group_bytes_for(format, K)));
 #else
   TORCH_CHECK(false, "quantized_gemm: built without AVX2 and F16C");
 #endif
@@ -446,8 +453,8 @@ at::Tensor quantized_rows(const at::Tensor& packed, int64_t format, const at::Te
   const at::Tensor flat = ids.contiguous().view(-1);
   const int64_t* id_ptr = flat.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < flat.numel(); ++i)
-    TORCH_CHECK(id_ptr[i] >= 0 && id_ptr[i] < N, "quantized_rows: id ", id_ptr[i], " out of [0, ", N,
-                ")");
+    TORCH_CHECK(id_ptr[i] >= 0 && id_ptr[i] < N,
+                "quantized_rows: id " + text(id_ptr[i]) + " out of [0, " + text(N) + ")");
   at::Tensor out = at::empty({flat.numel(), K}, packed.options().dtype(at::kFloat));
 #ifdef SPECSERVE_QUANTIZED_GEMM
   dispatch<RowsOp>(format, packed.const_data_ptr<uint8_t>(), K, id_ptr, flat.numel(),
