@@ -15,7 +15,7 @@ from engine.draft_tree import row_parents
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
-from engine.models.memory import MemoryReport, resident_bytes
+from engine.models.memory import MemoryReport, release_freed_memory, resident_bytes
 from engine.models.packed_model import packed_bytes
 from engine.paged_runner import PagedRunner, SequenceRows
 from engine.proposers.base import TargetHandle
@@ -66,12 +66,14 @@ class Worker:
                                           self.kv_spec.block_size, self.dtype, self.device),
             blocks, self.arch.sliding_window, self.device,
             "triton" if self.gpu_kernels == "triton" else "auto")
+        del checkpoint  # the file's tensors now live in the model; the rest is scratch
+        release_freed_memory()
         packed, dense = packed_bytes(self.model)
         # what start-up reports: the weights as held (packed + float), the KV cache, the process
         self.memory = MemoryReport(packed, dense, self.kv_spec.num_blocks * self.kv_spec.block_size
                                    * self.kv_spec.bytes_per_token, resident_bytes())
         logger.info("loaded %s: %d layers, %s on %s (%s matmuls); KV cache %d blocks x %d tokens; "
-                    "%s", checkpoint.source, self.arch.num_layers, self.dtype, self.device,
+                    "%s", self.source, self.arch.num_layers, self.dtype, self.device,
                     self.linear_backend, self.kv_spec.num_blocks, self.kv_spec.block_size,
                     self.memory.describe())
 

@@ -3,6 +3,9 @@ file's bytes, not a float32 expansion of them."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import resource
 from dataclasses import dataclass
 
@@ -36,3 +39,20 @@ def resident_bytes() -> int:
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         except (OSError, ValueError):
             return 0
+
+
+def release_freed_memory() -> None:
+    """Hand the loader's freed scratch (file reads, repacking) back to the OS: glibc keeps freed heap
+    for reuse, so without this the process's resident set carries it for good (~70 MB measured
+    after loading the embedded model)."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        trim = getattr(libc, "malloc_trim", None)  # glibc only
+        if trim is not None:
+            trim(0)
+    except OSError:
+        pass
