@@ -2,9 +2,10 @@
 (`PackedWeight`), or expanded per tensor with the gguf-py function transformers' GGUF loader calls.
 
 transformers dequantizes the whole model to build a module first (~25 s for the embedded 135M
-model); here each tensor is read from the memory map, renamed with gguf-py's and transformers'
-own name maps, and its rows reordered by transformers' own q/k un-permutation, so the expanded
-tensors are bit for bit the ones transformers loads (tests/engine/test_gguf_checkpoint.py).
+model); here each tensor is read from the memory map (engine/models/gguf_file.py), renamed by
+llama.cpp's tensor names, and its q/k rows put back in the order transformers' GGUF loader puts
+them, so the expanded tensors are bit for bit the ones transformers loads, and the names the ones
+its model class has (tests/engine/test_gguf_checkpoint.py checks both against transformers).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 import transformers
 
+from engine.models.gguf_file import GGUFTensor, read_gguf_layout
 from engine.models.packed_weight import PACKED_FORMATS, PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -39,37 +41,23 @@ def read_gguf(
     back float32 (a format outside the list is expanded, with a warning). packed=False: every
     tensor as a `dtype` tensor.
     """
-    # NOTE: imported here: it pulls in tokenizer converters (~0.8 s) a safetensors model never needs
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        read_field,
-    )
-
-    reader = open_gguf(path)
-    architecture = read_field(reader, "general.architecture")[0]
+    layout = read_gguf_layout(path)
+    architecture = layout.metadata.get("general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(f"{path} holds a {architecture!r} model; specserve reads GGUF files of "
                          f"the architectures {', '.join(GGUF_ARCHITECTURES)} (Llama family)")
     if hf_config is None:
         hf_config = read_gguf_config(path)
-    hf_names = _hf_names(architecture, hf_config)
-    # NOTE: head counts from the config: a file without head_count_kv is still permuted (llama.cpp
-    # assumes n_kv = n_head), where transformers' own load then skips the un-permutation
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=hf_config.to_dict())
+    hf_names = hf_parameter_names(architecture, hf_config)
 
     weights: dict[str, Weight] = {}
     expanded_formats: set[str] = set()
-    for tensor in reader.tensors:
-        num_rows = tensor.data.shape[0]
-        # NOTE: transformers' processor permutes rows only (llama.cpp's q/k order); letting it
-        # permute an arange gives that order, which then moves packed blocks and floats alike
-        processed = processor.process(weights=np.arange(num_rows), name=tensor.name)
-        hf_name = hf_names.get(processed.name)
+    for tensor in layout.tensors:
+        hf_name = hf_names.get(tensor.name)
         if hf_name is None:  # e.g. rope_freqs: transformers skips it too (the config carries it)
             logger.info("%s: tensor %s has no Hugging Face counterpart; skipped", path, tensor.name)
             continue
-        rows = _row_order(np.asarray(processed.weights), tensor.name)
+        rows = llama_cpp_row_order(architecture, tensor.name, tensor.data.shape[0], hf_config)
         fmt = tensor.tensor_type.name
         if packed and tensor.data.ndim == 2 and fmt not in PACKED_FORMATS + ("F32",):
             expanded_formats.add(fmt)
@@ -94,75 +82,75 @@ def read_gguf_config(path: str) -> transformers.PretrainedConfig:
     return hf_config
 
 
-def open_gguf(path: str) -> gguf.GGUFReader:
-    """gguf-py's reader of a file (metadata parsed, tensors memory-mapped), opened ~3x faster."""
-    return _ArrayGGUFReader(path)
+# llama.cpp's tensor names (gguf-py's TENSOR_NAMES) -> the Hugging Face modules of the Llama family
+_MODEL_MODULES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                  "output": "lm_head"}
+_LAYER_MODULES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 
 
-class _ArrayGGUFReader(gguf.GGUFReader):
-    """gguf-py's reader over a plain ndarray view of the same memory map.
-
-    NOTE: GGUFReader parses the metadata one value at a time, and every slice of an np.memmap
-    pays for the subclass's bookkeeping: on the embedded model's 49k-token vocabulary that made
-    opening the file ~3x slower (6 s against 2 s, 2 busy cores).
-    """
-
-    @property
-    def data(self) -> np.ndarray:
-        return self._array
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._array = value.view(np.ndarray)
-
-
-def _hf_names(architecture: str, hf_config: transformers.PretrainedConfig) -> dict[str, str]:
-    """GGUF tensor name -> Hugging Face parameter name, by gguf-py's own name map (as
-    transformers' `get_gguf_hf_weights_map` does, minus its walk over every submodule, which
-    took ~10 s here and only matters for models renamed below the top level, not Llamas)."""
-    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
-    name_map = gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers)
-    with torch.device("meta"):  # only the parameter names are wanted: no memory, no init
-        model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    names = {}
-    for hf_name in model.state_dict():
-        stem, _, suffix = hf_name.rpartition(".")
-        gguf_stem = name_map.get_name(stem)
-        if gguf_stem is not None:
-            names[f"{gguf_stem}.{suffix}"] = hf_name
+def hf_parameter_names(architecture: str,
+                       hf_config: transformers.PretrainedConfig) -> dict[str, str]:
+    """GGUF tensor name -> Hugging Face parameter name, for every parameter transformers' model
+    class of this config has (tested against that class's state_dict; building even a meta-device
+    model to list them took ~3 s, mostly importing its code)."""
+    biased = {"attn_q", "attn_k", "attn_v"} if architecture == "qwen2" else set()
+    if getattr(hf_config, "attention_bias", False):  # Llama's flag: every attention projection
+        biased |= {"attn_q", "attn_k", "attn_v", "attn_output"}
+    if getattr(hf_config, "mlp_bias", False):
+        biased |= {"ffn_gate", "ffn_up", "ffn_down"}
+    names = {f"{stem}.weight": f"{module}.weight" for stem, module in _MODEL_MODULES.items()}
+    for layer in range(hf_config.num_hidden_layers):
+        for stem, module in _LAYER_MODULES.items():
+            for suffix in ("weight", "bias") if stem in biased else ("weight",):
+                names[f"blk.{layer}.{stem}.{suffix}"] = f"model.layers.{layer}.{module}.{suffix}"
     return names
 
 
-def _row_order(order: np.ndarray, name: str) -> torch.Tensor | None:
-    """The row permutation as an index, or None where rows stay where they are."""
-    num_rows = len(order)
-    if order.shape != (num_rows,) or not np.array_equal(np.sort(order), np.arange(num_rows)):
-        raise ValueError(f"transformers' GGUF processing of {name} is not a row permutation; "
-                         f"specserve cannot apply it to packed weights")
-    if np.array_equal(order, np.arange(num_rows)):
+def llama_cpp_row_order(architecture: str, name: str, num_rows: int,
+                        hf_config: transformers.PretrainedConfig) -> np.ndarray | None:
+    """The row order that undoes llama.cpp's q/k permutation (rotary halves interleaved per head,
+    Llama files only), as transformers' GGUF loader undoes it; None where rows stay put.
+
+    NOTE: head counts from the config: a file without head_count_kv is still permuted (llama.cpp
+    assumes n_kv = n_head), where transformers' own load then skips the un-permutation.
+    """
+    if architecture != "llama" or (".attn_q." not in name and ".attn_k." not in name):
         return None
-    return torch.from_numpy(order.astype(np.int64))
+    num_heads = getattr(hf_config, "num_attention_heads", None)
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    if num_heads is None or num_kv_heads is None:
+        return None
+    heads = num_heads if ".attn_q." in name else num_kv_heads
+    if num_rows % (2 * heads):
+        raise ValueError(f"{name}: {num_rows} rows do not split into {heads} heads of rotary "
+                         f"pairs")
+    # [heads, 2, rows per head // 2] in file order -> [heads, rows per head // 2, 2]
+    return np.arange(num_rows).reshape(heads, num_rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _read_tensor(tensor, rows: torch.Tensor | None, dtype: torch.dtype, packed: bool) -> Weight:
-    """One tensor out of the memory map (copied: the file may change while we serve)."""
+def _read_tensor(tensor: GGUFTensor, rows: np.ndarray | None, dtype: torch.dtype,
+                 packed: bool) -> Weight:
+    """One tensor out of the memory map, its rows in `rows` order (copied: the file may change
+    while we serve; rows are picked from the file's bytes, which moves whole rows of blocks)."""
     fmt = tensor.tensor_type.name
+    values = np.array(tensor.data) if rows is None else tensor.data[rows]
     if tensor.data.ndim == 2 and fmt in PACKED_FORMATS:
         in_features = int(tensor.shape[0])  # GGML lists the fastest-moving dimension first
-        blocks = torch.from_numpy(np.array(tensor.data).view(np.uint8))  # [out, bytes per row]
+        blocks = torch.from_numpy(values.view(np.uint8))  # [out, bytes per row]
         weight = PackedWeight(fmt, blocks, (blocks.shape[0], in_features))
-        if rows is not None:
-            weight = weight.select_rows(rows)
         return weight if packed else weight.dequantize().to(dtype)
     try:
-        # NOTE: the very call transformers makes; F32 comes back as a view of the map
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # NOTE: the very call transformers makes; each row dequantizes on its own
+        values = gguf.quants.dequantize(values, tensor.tensor_type)
     except NotImplementedError:
         raise ValueError(f"tensor {tensor.name} is stored as {fmt}, which gguf-py cannot "
                          f"dequantize") from None
-    expanded = torch.from_numpy(np.array(values, dtype=np.float32))
-    if rows is not None:
-        expanded = expanded.index_select(0, rows)
+    expanded = torch.from_numpy(np.asarray(values, dtype=np.float32))
     return expanded if packed else expanded.to(dtype)
 
 

@@ -24,7 +24,8 @@ import transformers
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine.models.gguf_checkpoint import Weight, open_gguf, read_gguf, read_gguf_config
+from engine.models.gguf_checkpoint import Weight, read_gguf, read_gguf_config
+from engine.models.gguf_file import read_gguf_layout
 from engine.models.packed_weight import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def _load_gguf(path: str, dtype: torch.dtype, packed: bool) -> Checkpoint:
 
 def _gguf_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase | None:
     """The tokenizer a GGUF describes; None for a file that holds none (as for a folder)."""
-    if "tokenizer.ggml.model" not in open_gguf(path).fields:
+    if "tokenizer.ggml.model" not in read_gguf_layout(path).metadata:
         return None
     folder, name = os.path.split(path)
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)

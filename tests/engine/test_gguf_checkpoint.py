@@ -7,13 +7,19 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
 from tiny_gguf import MIXED_FORMATS, write_tiny_gguf
 
-from engine.models.gguf_checkpoint import read_gguf
+from engine.models.gguf_checkpoint import (
+    hf_parameter_names,
+    llama_cpp_row_order,
+    read_gguf,
+    read_gguf_config,
+)
 from engine.models.loader import embedded_gguf_path, load_checkpoint, load_tokenizer
 from engine.models.packed_weight import PACKED_FORMATS, PackedWeight
 
@@ -49,6 +55,57 @@ def assert_bit_identical(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
     unequal = [name for name in want
                if got[name].dtype != torch.float32 or not torch.equal(got[name], want[name])]
     assert not unequal, f"differ from transformers' GGUF load: {unequal}"
+
+
+def transformers_names(architecture: str, hf_config) -> dict[str, str]:
+    """GGUF name -> Hugging Face name as transformers' GGUF loader pairs them: its model class's
+    parameters, each renamed by gguf-py's name map."""
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
+    name_map = gguf.get_tensor_name_map(arch, hf_config.num_hidden_layers)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    names = {}
+    for hf_name in model.state_dict():
+        stem, _, suffix = hf_name.rpartition(".")
+        names[f"{name_map.get_name(stem)}.{suffix}"] = hf_name
+    return names
+
+
+@pytest.mark.parametrize("architecture, extra", [
+    ("llama", {}), ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("llama", {"tie_word_embeddings": True}), ("qwen2", {}),
+])
+def test_parameter_names_are_transformers_own(tmp_path, architecture, extra):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, architecture)
+    hf_config = read_gguf_config(str(path))
+    for key, value in extra.items():
+        setattr(hf_config, key, value)
+
+    assert hf_parameter_names(architecture, hf_config) == transformers_names(architecture,
+                                                                             hf_config)
+
+
+def test_embedded_parameter_names_are_transformers_own():
+    hf_config = load_checkpoint(None, torch.float32, packed=True).hf_config
+    assert hf_parameter_names("llama", hf_config) == transformers_names("llama", hf_config)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 2), (9, 3), (8, 8)])
+def test_q_and_k_row_order_is_transformers_own(num_heads, num_kv_heads):
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    head_dim = 16
+    hf_config = transformers.LlamaConfig(hidden_size=num_heads * head_dim, num_hidden_layers=1,
+                                         num_attention_heads=num_heads,
+                                         num_key_value_heads=num_kv_heads)
+    processor = LlamaTensorProcessor(config=hf_config.to_dict())
+    for name, heads in [("blk.0.attn_q.weight", num_heads), ("blk.0.attn_k.bias", num_kv_heads)]:
+        rows = heads * head_dim
+        want = processor.process(weights=np.arange(rows), name=name).weights
+        assert np.array_equal(llama_cpp_row_order("llama", name, rows, hf_config), want), name
+    assert llama_cpp_row_order("llama", "blk.0.attn_v.weight", 32, hf_config) is None
+    assert llama_cpp_row_order("qwen2", "blk.0.attn_q.weight", 32, hf_config) is None
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
@@ -124,7 +181,7 @@ def test_tied_embeddings_leave_lm_head_absent(tmp_path):
 
 def test_other_architectures_are_refused_by_name(tmp_path):
     path = tmp_path / "gpt2.gguf"
-    writer = __import__("gguf").GGUFWriter(str(path), "gpt2")
+    writer = gguf.GGUFWriter(str(path), "gpt2")
     writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
