@@ -132,7 +132,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # NOTE: weights always come from a checkpoint, so the table is left uninitialized: a random
+        # init on the meta device (build_model) imports torch._dynamo, ~1.7-3 s of start-up
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.rotary = RotaryEmbedding(arch)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
