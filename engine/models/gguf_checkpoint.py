@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import transformers
 
-from engine.models.gguf_file import GGUFTensor, read_gguf_layout
+from engine.models.gguf_file import GGUFLayout, GGUFTensor, read_gguf_layout
 from engine.models.packed_weight import PACKED_FORMATS, PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -35,27 +35,42 @@ def read_gguf(
     hf_config: transformers.PretrainedConfig | None = None,
 ) -> tuple[transformers.PretrainedConfig, dict[str, Weight]]:
     """(config, Hugging Face name -> weight) of a GGUF file; `hf_config` skips re-reading the
-    config from the file's metadata (the embedded model keeps it in its cache).
+    config from the file's metadata (engine/models/gguf_cache.py keeps it), else transformers
+    reads it. `packed` as in read_gguf_weights."""
+    layout = read_gguf_layout(path)
+    check_architecture(layout)
+    if hf_config is None:
+        hf_config = read_gguf_config(path)
+    return hf_config, read_gguf_weights(layout, hf_config, dtype, packed)
+
+
+def check_architecture(layout: GGUFLayout) -> str:
+    """The file's `general.architecture`, one specserve reads; else a ValueError naming it."""
+    architecture = layout.metadata.get("general.architecture")
+    if architecture not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{layout.path} holds a {architecture!r} model; specserve reads GGUF "
+                         f"files of the architectures {', '.join(GGUF_ARCHITECTURES)} "
+                         f"(Llama family)")
+    return architecture
+
+
+def read_gguf_weights(layout: GGUFLayout, hf_config: transformers.PretrainedConfig,
+                      dtype: torch.dtype, packed: bool) -> dict[str, Weight]:
+    """Hugging Face name -> weight of a walked GGUF file.
 
     packed=True: 2-D tensors stored in a PACKED_FORMATS format stay PackedWeight; the rest come
     back float32 (a format outside the list is expanded, with a warning). packed=False: every
     tensor as a `dtype` tensor.
     """
-    layout = read_gguf_layout(path)
-    architecture = layout.metadata.get("general.architecture")
-    if architecture not in GGUF_ARCHITECTURES:
-        raise ValueError(f"{path} holds a {architecture!r} model; specserve reads GGUF files of "
-                         f"the architectures {', '.join(GGUF_ARCHITECTURES)} (Llama family)")
-    if hf_config is None:
-        hf_config = read_gguf_config(path)
+    architecture = check_architecture(layout)
     hf_names = hf_parameter_names(architecture, hf_config)
-
     weights: dict[str, Weight] = {}
     expanded_formats: set[str] = set()
     for tensor in layout.tensors:
         hf_name = hf_names.get(tensor.name)
         if hf_name is None:  # e.g. rope_freqs: transformers skips it too (the config carries it)
-            logger.info("%s: tensor %s has no Hugging Face counterpart; skipped", path, tensor.name)
+            logger.info("%s: tensor %s has no Hugging Face counterpart; skipped", layout.path,
+                        tensor.name)
             continue
         rows = llama_cpp_row_order(architecture, tensor.name, tensor.data.shape[0], hf_config)
         fmt = tensor.tensor_type.name
@@ -64,10 +79,10 @@ def read_gguf(
         weights[hf_name] = _read_tensor(tensor, rows, dtype, packed)
     if expanded_formats:
         logger.warning("%s: %s weights are not kept packed (packed formats: %s); expanded to "
-                       "float32", path, ", ".join(sorted(expanded_formats)),
+                       "float32", layout.path, ", ".join(sorted(expanded_formats)),
                        ", ".join(PACKED_FORMATS))
-    _check_complete(path, hf_config, hf_names, weights)
-    return hf_config, weights
+    _check_complete(layout.path, hf_config, hf_names, weights)
+    return weights
 
 
 def read_gguf_config(path: str) -> transformers.PretrainedConfig:
@@ -77,8 +92,10 @@ def read_gguf_config(path: str) -> transformers.PretrainedConfig:
     hf_config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name,
                                                         local_files_only=True)
     if not getattr(hf_config, "architectures", None):
-        model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
-        hf_config.architectures = [model_class.__name__]
+        # NOTE: the class's name from transformers' table: the class itself imports its model code
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        hf_config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf_config.model_type]]
     return hf_config
 
 

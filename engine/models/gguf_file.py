@@ -68,6 +68,7 @@ class GGUFLayout:
     # key -> int | float | bool | str, or SkippedArray for arrays (the vocabulary, its merges)
     metadata: dict[str, object]
     tensors: list[GGUFTensor]  # in file order
+    data_start: int  # bytes of header (metadata, tensor table, padding) before the tensor data
 
 
 def read_gguf_layout(path: str) -> GGUFLayout:
@@ -113,7 +114,7 @@ class _Walker:
                 or alignment & (alignment - 1)):
             raise ValueError(f"{self.path}: general.alignment {alignment!r} is not a power of two")
         data_start = -(-self.pos // alignment) * alignment
-        return GGUFLayout(self.path, metadata, self._tensors(table, data_start))
+        return GGUFLayout(self.path, metadata, self._tensors(table, data_start), data_start)
 
     def _tensors(self, table: list[tuple], data_start: int) -> list[GGUFTensor]:
         file_bytes = np.frombuffer(self.buffer, dtype=np.uint8)

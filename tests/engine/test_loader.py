@@ -1,6 +1,7 @@
 """engine/models/loader.py: HF folders round-trip exactly (16-bit weights also packed), bad paths
-fail clearly, and the embedded model's config-and-tokenizer cache is built once, without weights.
-GGUF reading itself: tests/engine/test_gguf_checkpoint.py."""
+fail clearly, and a GGUF's config-and-tokenizer cache (engine/models/gguf_cache.py) is built once,
+without weights, under a name no other file or header shares. GGUF reading itself:
+tests/engine/test_gguf_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tiny_gguf import write_tiny_gguf
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from engine.models import loader
+from engine.models import gguf_cache, loader
 from engine.models.loader import Checkpoint, embedded_gguf_path, load_checkpoint
 from engine.models.packed_weight import PackedWeight
 
@@ -206,13 +208,13 @@ def fake_converter(calls: list[str]) -> Callable[[str, str], None]:
 def test_cache_is_built_once_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
     calls: list[str] = []
-    monkeypatch.setattr(loader, "write_metadata_folder", fake_converter(calls))
+    monkeypatch.setattr(gguf_cache, "write_metadata_folder", fake_converter(calls))
 
     first = loader.prepare_embedded_cache()
     second = loader.prepare_embedded_cache()
 
     assert len(calls) == 1
-    assert first == second == loader.embedded_cache_dir(embedded_gguf_path())
+    assert first == second == gguf_cache.metadata_cache_dir(embedded_gguf_path())
     assert os.path.dirname(first) == str(tmp_path)
     assert str(os.path.getsize(embedded_gguf_path())) in os.path.basename(first)
     # no temp conversion folder is left behind
@@ -221,7 +223,7 @@ def test_cache_is_built_once_atomically(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_cache_race_lost_uses_the_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
-    target = loader.embedded_cache_dir(embedded_gguf_path())
+    target = gguf_cache.metadata_cache_dir(embedded_gguf_path())
     calls: list[str] = []
     convert = fake_converter(calls)
 
@@ -229,7 +231,7 @@ def test_cache_race_lost_uses_the_winner(tmp_path: Path, monkeypatch: pytest.Mon
         convert(gguf_path, target)  # the "other process" finishes first
         convert(gguf_path, out_dir)
 
-    monkeypatch.setattr(loader, "write_metadata_folder", convert_while_another_process_wins)
+    monkeypatch.setattr(gguf_cache, "write_metadata_folder", convert_while_another_process_wins)
 
     assert loader.prepare_embedded_cache() == target
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [os.path.basename(target)]
@@ -245,12 +247,92 @@ def test_old_float32_cache_is_not_mistaken_for_the_new_one(
     old = old.with_name(f"{old.name}-{os.path.getsize(embedded_gguf_path())}")
     save_tiny(old, transformers.LlamaConfig(**TINY))
     calls: list[str] = []
-    monkeypatch.setattr(loader, "write_metadata_folder", fake_converter(calls))
+    monkeypatch.setattr(gguf_cache, "write_metadata_folder", fake_converter(calls))
 
     folder = loader.prepare_embedded_cache()
 
     assert len(calls) == 1 and folder != str(old) and old.is_dir()
     assert str(old) in caplog.text and "no longer read" in caplog.text
+
+
+# ---------------------------------------------------------------- any GGUF's cache
+
+
+def counting_converter(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The real converter, counted."""
+    calls: list[str] = []
+    convert = gguf_cache.write_metadata_folder
+
+    def counted(gguf_path: str, out_dir: str) -> None:
+        calls.append(gguf_path)
+        convert(gguf_path, out_dir)
+
+    monkeypatch.setattr(gguf_cache, "write_metadata_folder", counted)
+    return calls
+
+
+def assert_same_checkpoint(got: Checkpoint, want: Checkpoint) -> None:
+    assert got.hf_config.to_dict() == want.hf_config.to_dict()
+    assert sorted(got.weights) == sorted(want.weights)
+    for name, weight in want.weights.items():
+        other = got.weights[name]
+        if isinstance(weight, PackedWeight):
+            assert isinstance(other, PackedWeight) and other.format == weight.format, name
+            weight, other = weight.data, other.data
+        assert torch.equal(other, weight), name
+
+
+def test_gguf_config_is_converted_once_then_read_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    calls = counting_converter(monkeypatch)
+
+    first = load_checkpoint(str(path), torch.float32, packed=True)
+    second = load_checkpoint(str(path), torch.float32, packed=True)
+
+    assert calls == [str(path)]
+    assert_same_checkpoint(second, first)
+    assert first.hf_config.to_dict() == gguf_cache.read_gguf_config(str(path)).to_dict()
+    folder = Path(gguf_cache.metadata_cache_dir(str(path)))
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json"]  # the file has no tokenizer
+    assert first.tokenizer is None and loader.load_tokenizer(str(path)) is None
+    assert str(folder) in first.source and str(path) in first.source
+
+
+def test_gguf_cache_follows_the_header_not_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy elsewhere shares its original's folder; a file whose header changed gets another."""
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path, copy = tmp_path / "a.gguf", tmp_path / "elsewhere" / "a.gguf"
+    write_tiny_gguf(path)
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    assert gguf_cache.metadata_cache_dir(str(copy)) == gguf_cache.metadata_cache_dir(str(path))
+
+    before = gguf_cache.metadata_cache_dir(str(path))
+    write_tiny_gguf(path, formats={})  # the same size of header, other tensor types in it
+    assert gguf_cache.metadata_cache_dir(str(path)) != before
+
+
+def test_unwritable_cache_reads_everything_from_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    cached = load_checkpoint(str(path), torch.float32, packed=True)
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(not_a_folder / "cache"))
+
+    uncached = load_checkpoint(str(path), torch.float32, packed=True)
+
+    assert_same_checkpoint(uncached, cached)
+    assert "cannot cache" in caplog.text
 
 
 # ---------------------------------------------------------------- the real embedded model
@@ -281,8 +363,8 @@ def test_second_embedded_load_uses_cache_which_holds_no_weights(
     def no_conversion(gguf_path: str, out_dir: str) -> None:
         raise AssertionError("the cache should have been used")
 
-    monkeypatch.setattr(loader, "write_metadata_folder", no_conversion)
-    cache_dir = Path(loader.embedded_cache_dir(embedded_gguf_path()))
+    monkeypatch.setattr(gguf_cache, "write_metadata_folder", no_conversion)
+    cache_dir = Path(gguf_cache.metadata_cache_dir(embedded_gguf_path()))
     assert (cache_dir / "config.json").is_file() and (cache_dir / "tokenizer.json").is_file()
     assert not list(cache_dir.glob("*.safetensors")) and not list(cache_dir.glob("*.bin"))
 
