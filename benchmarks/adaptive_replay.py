@@ -2,10 +2,12 @@
 same whatever k is, so what the proposer drafts at each step and how much of it verification keeps
 follow from the reference output alone, and a step's seconds from a cost curve. The policy under
 test (fixed k, or the engine's own AdaptiveSpeculation) runs unchanged, batch by batch, as the
-engine drives it (engine/core.py: draft to the full budget, choose, trim, verify, observe).
+engine drives it (engine/core.py: verify, commit, draft for the next step to the full budget,
+choose, trim; then learn from this step's verification). A seeded sampled output replays as a
+greedy one when the drafts are one-hot (suffix, n-gram): its text does not depend on k.
 
 Deterministic: the same outputs and curve give the same steps and seconds on any machine, busy or
-not. What it leaves out: prefill steps, drafting and host time (cost 0 here), and sampled requests.
+not. What it leaves out: prefill steps, drafting and host time (cost 0 here).
 """
 
 from __future__ import annotations
@@ -92,23 +94,30 @@ def replay(cases: Sequence[tuple[list[int], list[int]]], spec: dict, cost: CostC
             if len(references[request.request_id]) > 1:
                 running.append(request)
 
-    admit()
-    while running:
+    def propose() -> dict[str, tuple[list[int], list[int]]]:
+        """request id -> (the draft offered, the draft kept for verification) of every running
+        request, as the engine drafts at the end of a step, after its commit."""
         caps = [max(0, min(budget, len(references[r.request_id]) - r.num_output_tokens - 1))
                 for r in running]
         proposals = (proposer.propose(running, caps, None) if budget
                      else [SimpleNamespace(token_ids=[]) for _ in running])
-        offered = [list(p.token_ids) for p in proposals]
         if policy is None:
-            drafts = offered
-        else:
-            ks = policy.choose(running, [len(d) for d in offered], 0, [None] * len(running))
-            drafts = [list(policy.keep_best(r.request_id, p, k).token_ids)
-                      for r, p, k in zip(running, proposals, ks)]
-        num_batched = len(running) + sum(map(len, drafts))
+            return {r.request_id: (list(p.token_ids), list(p.token_ids))
+                    for r, p in zip(running, proposals)}
+        ks = policy.choose(running, [len(p.token_ids) for p in proposals], 0,
+                           [None] * len(running))
+        return {r.request_id: (list(p.token_ids),
+                               list(policy.keep_best(r.request_id, p, k).token_ids))
+                for r, p, k in zip(running, proposals, ks)}
+
+    admit()
+    drafts = propose()
+    while running:
+        num_batched = len(running) + sum(len(drafts[r.request_id][1]) for r in running)
         seconds = float(cost(np.array([num_batched]))[0])
         items, sampled = [], []
-        for request, draft, full in zip(running, drafts, offered):
+        for request in running:
+            full, draft = drafts[request.request_id]
             truth = references[request.request_id][request.num_output_tokens:]
             kept = _common_prefix(full, truth)
             accepted = min(kept, len(draft))
@@ -122,20 +131,23 @@ def replay(cases: Sequence[tuple[list[int], list[int]]], spec: dict, cost: CostC
                                            accepted_drafts=None))
             request.output_token_ids += truth[:accepted + 1]
             result.num_tokens += accepted + 1
-        if policy is not None:
-            timed = seconds if timing_noise is None else seconds * _busy_factor(timing_noise)
-            policy.observe_step(SimpleNamespace(num_batched_tokens=num_batched, sampling=items),
-                                sampled, [len(d) for d in drafts], timed, timed, 0.0)
         result.num_steps += 1
         result.seconds += seconds
         finished = [r for r in running
                     if r.num_output_tokens >= len(references[r.request_id])]
         for request in finished:
             proposer.free(request.request_id)
-            if policy is not None:
-                policy.free(request.request_id)
         running[:] = [r for r in running if r not in finished]
         admit()
+        # NOTE: the engine's order: the next step's drafts, then what this step's verification
+        # taught (the policy pairs each verification with the offer it was cut from)
+        drafts = propose() if running else {}
+        if policy is not None:
+            timed = seconds if timing_noise is None else seconds * _busy_factor(timing_noise)
+            policy.observe_step(SimpleNamespace(num_batched_tokens=num_batched, sampling=items),
+                                sampled, [len(d) for _, d in drafts.values()], timed, timed, 0.0)
+            for request in finished:
+                policy.free(request.request_id)
     return result
 
 

@@ -139,7 +139,11 @@ class StepCostModel:
         if self._curve is None:
             if not self._points:
                 raise RuntimeError("no target pass measured yet")
-            points = sorted((point[0], self._predicted_point(bucket))
+            # NOTE: which points steps timed lately, found once per rebuild (every step moves a
+            # point, so the curve is rebuilt each step): not once per point and neighbour
+            timed = [(point[0], bucket) for bucket, point in self._points.items()
+                     if self._is_stepped_lately(bucket)]
+            points = sorted((point[0], self._predicted_point(bucket, timed))
                             for bucket, point in self._points.items())
             tokens = np.array([p[0] for p in points])
             # NOTE: noise can make a bigger pass look cheaper than a smaller one; more tokens never
@@ -151,19 +155,22 @@ class StepCostModel:
         stepped_at = self._stepped_at.get(bucket)
         return stepped_at is not None and self._num_observed - stepped_at < STALE_AFTER
 
-    def _predicted_point(self, bucket: int) -> float:
+    def _predicted_point(self, bucket: int, timed: list[tuple[float, int]]) -> float:
         """Seconds of the bucket's pass: as timed, if an engine step timed it lately; otherwise its
-        baseline at the level of its nearest bucket that was (module docstring)."""
+        baseline at the level of its nearest bucket that was (module docstring). `timed`: the
+        (tokens, bucket) of the points steps timed lately."""
         if self._is_stepped_lately(bucket):
             return self._points[bucket][1]
-        return self._baseline[bucket] * self._level_near(bucket)
+        return self._baseline[bucket] * self._level_near(bucket, timed)
 
-    def _level_near(self, bucket: int) -> float:
+    def _level_near(self, bucket: int, timed: list[tuple[float, int]] | None = None) -> float:
         """Measured / baseline seconds of the nearest bucket (by tokens, the next smaller first) that
         an engine step timed lately; 1 when there is none."""
         tokens = self._points[bucket][0] if bucket in self._points else math.inf
-        timed = [(point[0], other) for other, point in self._points.items()
-                 if other != bucket and self._is_stepped_lately(other)]
+        if timed is None:
+            timed = [(point[0], other) for other, point in self._points.items()
+                     if self._is_stepped_lately(other)]
+        timed = [item for item in timed if item[1] != bucket]
         below = [item for item in timed if item[0] <= tokens]
         nearest = max(below) if below else min(timed, default=None)
         if nearest is None:
