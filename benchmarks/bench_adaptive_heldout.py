@@ -52,15 +52,16 @@ def decode_one(llm: LLM, prompt: list[int], max_tokens: int, salt: str) -> dict:
     core.add_request(salt, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                                   min_tokens=max_tokens), cache_salt=salt)
     tokens = []
-    for update in core.step():  # prefill
+    for update in core.step().updates:  # prefill
         tokens += update.new_token_ids
     start, num_steps, num_drafts, num_accepted = time.perf_counter(), 0, 0, 0
     while core.has_unfinished:
-        for update in core.step():
+        result = core.step()
+        for update in result.updates:
             tokens += update.new_token_ids
         num_steps += 1
-        num_drafts += core.last_step_stats.num_draft_tokens
-        num_accepted += core.last_step_stats.num_accepted_tokens
+        num_drafts += result.stats.num_draft_tokens
+        num_accepted += result.stats.num_accepted_tokens
     return {"tokens": tokens, "seconds": time.perf_counter() - start, "steps": num_steps,
             "decoded": len(tokens) - 1, "drafts": num_drafts, "accepted": num_accepted}
 

@@ -35,8 +35,8 @@ def time_case(batch: int, k: int, top_p: float, seeded: bool, repeats: int, devi
     from engine.request import Request
     from engine.sample.rejection import RejectionSampler
     from engine.sampling_params import SamplingParams
-    from engine.scheduler import ScheduledRequest
-    from engine.step_layout import StepLayout
+    from engine.step.layout import StepLayout
+    from engine.step.types import ScheduledRequest
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(batch * (k + 1), VOCAB, generator=gen) * 4  # [rows, vocab]

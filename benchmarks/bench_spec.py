@@ -53,7 +53,7 @@ def run_engine(llm: LLM, prompt: list[int], max_tokens: int) -> EngineRun:
     steps_before, decode_start = core.totals.num_steps, time.perf_counter()
     updates = []
     while core.has_unfinished:
-        updates += core.step()
+        updates += core.step().updates
     synchronize(str(core.worker.device))
     end = time.perf_counter()
     num_decode_tokens = sum(len(u.new_token_ids) for u in updates)

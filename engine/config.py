@@ -146,3 +146,47 @@ class KVCacheSpec:
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the target split over `tensor_parallel_size` ranks, one process each,
+    spread evenly over `nnodes` machines that meet at rank 0's `master_addr:master_port`
+    (engine/runner/ranks.py)."""
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    # this machine's place among the nodes; node 0 runs the scheduler (rank 0) and the server
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    # None: a free port, picked by node 0 (one node only; several nodes must agree on one)
+    master_port: int | None = None
+    # seconds a collective may wait for a rank that died or hangs before the engine reports dead
+    distributed_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"nnodes must be at least 1 and divide tensor_parallel_size "
+                             f"{self.tensor_parallel_size}, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("several nodes need --master-port: the port every node meets rank 0 at")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be a TCP port, got {self.master_port}")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got "
+                             f"{self.distributed_timeout_s}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The ranks this node runs."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)

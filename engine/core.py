@@ -10,26 +10,22 @@ import torch
 
 from engine.adaptive import AdaptiveSpeculation
 from engine.adaptive.calibration import calibrate_verify_cost
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.failures import run_isolated
 from engine.messages import StepStats
 from engine.proposers import Proposer, build_proposer
 from engine.request import Request
+from engine.runner.worker import Worker
 from engine.sample.grammar import cut_drafts_at_grammar
 from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import (
-    RequestUpdate,
-    SampledTokens,
-    ScheduledRequest,
-    Scheduler,
-    SchedulerOutput,
-)
+from engine.scheduler import Scheduler
 from engine.spec_config import SpeculativeConfig
-from engine.step_isolation import propose_isolated, sample_isolated
-from engine.step_layout import DraftProposal, DraftTokens, StepLayout
+from engine.step.isolation import propose_isolated, sample_isolated
+from engine.step.layout import DraftProposal, DraftTokens, StepLayout
+from engine.step.scheduler_output import SchedulerOutput
+from engine.step.types import RequestUpdate, SampledTokens, ScheduledRequest, StepResult
 from engine.structured import CompiledGrammar, GrammarCompiler, GrammarState
-from engine.worker import Worker
 
 
 @dataclass
@@ -53,8 +49,9 @@ class DraftChoice:
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
-        self.worker = Worker(model_config, cache_config)
+                 speculative_config: SpeculativeConfig | None = None,
+                 parallel_config: ParallelConfig | None = None) -> None:
+        self.worker = Worker(model_config, cache_config, parallel_config)
         self.scheduler = Scheduler(scheduler_config, self.worker.kv_spec, self.worker.device,
                                    self.worker.block_manager)
         self.sampler = RejectionSampler()
@@ -75,8 +72,6 @@ class EngineCore:
         # response_format grammars for this tokenizer, built at the first request that has one
         self._grammar_compiler: GrammarCompiler | None = None
         self.totals = EngineTotals()
-        # what the last step did, for the metrics exporter
-        self.last_step_stats = StepStats()
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, grammar: CompiledGrammar | None = None) -> None:
@@ -124,19 +119,23 @@ class EngineCore:
         self._free_request_state(updates)
         return updates
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent)."""
+        self.worker.close()
+
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
-    def step(self) -> list[RequestUpdate]:
+    def step(self) -> StepResult:
         """schedule -> one target forward (verifying drafts) -> rejection-sample -> commit -> propose."""
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
+            return StepResult()
         num_prompt_tokens = _num_prompt_tokens(scheduled)
         pass_start = time.perf_counter()
-        out = self.worker.execute(scheduled)
+        out = self.worker.execute(scheduled.forward)
         sampled = sample_isolated(self.sampler, out.logits, scheduled.layout)
         if scheduled.layout.draft_parents is not None:
             self.worker.keep_accepted_paths(scheduled, sampled)
@@ -150,9 +149,8 @@ class EngineCore:
         choices, failures = self._propose_drafts(scheduled.layout, sampled, out.hidden)
         self._fail_after_commit(updates, failures)
         self._account(scheduled, sampled, choices, start, verified, updates, target_pass_seconds)
-        self.last_step_stats = self._step_stats(scheduled.sampling, sampled, choices, updates,
-                                                num_prompt_tokens, start, verified)
-        return updates
+        return StepResult(updates, self._step_stats(scheduled.sampling, sampled, choices, updates,
+                                                    num_prompt_tokens, start, verified))
 
     def _record_target_hidden(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
                               token_hidden: torch.Tensor) -> dict[str, str]:

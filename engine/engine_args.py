@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.spec_config import SpeculativeConfig
 
 
@@ -24,12 +24,19 @@ class EngineArgs:
     kv_cache_memory_gib: float = 1.0
     num_kv_blocks: int | None = None
     num_threads: int | None = None
-    # reuse cached prefix blocks within a tenant (engine/block_manager.py)
+    # reuse cached prefix blocks within a tenant (engine/kv/block_manager.py)
     enable_prefix_caching: bool = True
     # "torch" or "triton": what runs attention and the per-layer ops on CUDA (engine/config.py)
     gpu_kernels: str = "torch"
     # vLLM-style JSON text or dict (engine/spec_config.py); None or "none" = no speculation
     speculative_config: str | dict[str, Any] | None = None
+    # tensor parallelism (engine/config.py's ParallelConfig)
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    distributed_timeout_s: float = 60.0
 
     def configs(self) -> tuple[ModelConfig, CacheConfig, SchedulerConfig, SpeculativeConfig | None]:
         """Validated configs; every bad value raises ValueError naming it, before anything loads."""
@@ -45,3 +52,9 @@ class EngineArgs:
                             max_num_batched_tokens=self.max_num_batched_tokens),
             None if spec is None or spec == "none" else SpeculativeConfig.from_json(spec),
         )
+
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(tensor_parallel_size=self.tensor_parallel_size, nnodes=self.nnodes,
+                              node_rank=self.node_rank, master_addr=self.master_addr,
+                              master_port=self.master_port,
+                              distributed_timeout_s=self.distributed_timeout_s)

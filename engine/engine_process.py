@@ -28,7 +28,7 @@ from engine.messages import (
     encode,
 )
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate
+from engine.step.types import RequestUpdate
 from engine.structured.compile_pool import GrammarCompilePool
 from engine.structured.compiler import CompiledGrammar
 
@@ -49,8 +49,9 @@ def run_engine_process(args: EngineArgs, input_address: str, output_address: str
     inbox.connect(input_address)
     outbox = context.socket(zmq.PUSH)
     outbox.connect(output_address)
+    core = None
     try:
-        core = EngineCore(*args.configs())
+        core = EngineCore(*args.configs(), parallel_config=args.parallel_config())
         outbox.send(encode(_ready_message(core)))
         EngineLoop(core, inbox, outbox, parent_pid).run()
     except BaseException as error:  # the server must learn why, whatever it was
@@ -59,6 +60,8 @@ def run_engine_process(args: EngineArgs, input_address: str, output_address: str
         outbox.send(encode(EngineFailed(message)))
         raise SystemExit(1) from error
     finally:
+        if core is not None:
+            core.close()
         outbox.close(linger=1000)
         inbox.close(linger=0)
         context.term()
@@ -107,8 +110,9 @@ class EngineLoop:
             for message, grammar in self.grammars.take_finished():
                 self._add(message, grammar)
             if self.core.has_unfinished:
-                updates = self.core.step()
-                self._send(EngineOutputs([_delta(u) for u in updates], self.core.last_step_stats))
+                result = self.core.step()
+                self._send(EngineOutputs([_delta(u) for u in result.updates],
+                                         result.stats or self.core.gauge_snapshot()))
 
     def _handle(self, message: object) -> bool:
         """Apply one message from the server; False means shut down."""

@@ -1,4 +1,4 @@
-"""How one request's failure inside the step is caught and told (engine/step_isolation.py)."""
+"""How one request's failure inside the step is caught and told (engine/step/isolation.py)."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ from engine.engine_args import EngineArgs
 from engine.output_processor import CompletionTracker
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, child_seed
-from engine.scheduler import RequestUpdate
 from engine.spec_config import SpeculativeConfig
 from engine.spec_stats import SpecStats
+from engine.step.types import RequestUpdate
 
 # a prompt: text, token ids, or {"prompt_token_ids": [...]} / {"prompt": "..."}; a dict may add
 # "cache_salt": the request's tenant (cross-request state such as suffix decoding's output cache is
@@ -30,7 +30,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """Keywords are EngineArgs' (engine/engine_args.py): dtype, quantization, device,
         max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_gib,
-        num_kv_blocks, num_threads, gpu_kernels, speculative_config."""
+        num_kv_blocks, num_threads, gpu_kernels, speculative_config, tensor_parallel_size (and for
+        several machines nnodes, node_rank, master_addr, master_port)."""
         speculative_config = engine_args.pop("speculative_config", None)
         if isinstance(speculative_config, SpeculativeConfig):
             args = EngineArgs(model=model, **engine_args)
@@ -38,9 +39,13 @@ class LLM:
         else:
             args = EngineArgs(model=model, speculative_config=speculative_config, **engine_args)
             configs = args.configs()
-        self.engine = EngineCore(*configs)
+        self.engine = EngineCore(*configs, parallel_config=args.parallel_config())
         self.tokenizer = self.engine.worker.tokenizer
         self._request_counter = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks now (they also stop when this process exits)."""
+        self.engine.close()
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -97,7 +102,7 @@ class LLM:
             raise
         progress = tqdm(total=len(trackers), desc="generating", disable=not use_tqdm)
         while self.engine.has_unfinished:
-            for update in self.engine.step():
+            for update in self.engine.step().updates:
                 if self._apply(update, trackers):
                     progress.update(1)
         progress.close()

@@ -8,100 +8,24 @@ One mechanism covers prefill, chunked prefill, decode and recompute after preemp
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from itertools import islice
 
 import torch
 
-from engine.block_manager import BlockManager
 from engine.config import KVCacheSpec, SchedulerConfig
+from engine.draft_tree import row_parents
 from engine.failures import run_isolated
-from engine.request import FinishReason, Request, RequestStatus, TokenLogprobs
-from engine.spec_stats import SpecStats
-from engine.step_layout import DraftProposal, DraftTokens, StepLayout
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    # tokens whose K/V this step computes: a prefill chunk, or 1 + num_draft_tokens for a decode step
-    num_new_tokens: int
-    # NOTE: fixed when scheduled; the request itself moves on at commit
-    is_sampling: bool = False
-    # the request's draft tokens verified in this step (the tail of num_new_tokens); [] = plain decode
-    draft_token_ids: list[int] = field(default_factory=list)
-    # [num_draft_tokens, vocab] their draft distribution q, None for one-hot drafts
-    draft_probs: torch.Tensor | None = None
-    # a tree of drafts: each draft's parent draft, -1 under the newest token; None = a chain
-    draft_parents: list[int] | None = None
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return len(self.draft_token_ids)
-
-    @property
-    def num_known_tokens(self) -> int:
-        """Tokens of prompt + output computed this step (not drafts)."""
-        return self.num_new_tokens - self.num_draft_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    # in batch order: the flattened forward lays their tokens out one request after another
-    scheduled: list[ScheduledRequest]
-    # sum of num_new_tokens (<= max_num_batched_tokens)
-    num_batched_tokens: int
-    # rows, drafts and sampling tensors of this step, built once from `scheduled`
-    layout: StepLayout
-    # requests sent back to waiting this step; their K/V was freed and will be recomputed
-    preempted_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def sampling(self) -> list[ScheduledRequest]:
-        """The scheduled requests whose logits pick new tokens this step, in batch order."""
-        return self.layout.sampling
-
-
-@dataclass
-class SampledTokens:
-    """What verification kept for one request: accepted drafts, then one recovered or bonus token."""
-
-    token_ids: list[int]
-    # one per token when the request asked for logprobs
-    logprobs: list[TokenLogprobs] | None = None
-    # of a tree: the accepted drafts' indices (its path); None: the first len(token_ids) - 1 drafts
-    accepted_drafts: list[int] | None = None
-    # set when the request could not be sampled (non-finite logits, a broken grammar): no tokens,
-    # and the engine ends the request with this message (FinishReason.ERROR)
-    error: str | None = None
-
-    @property
-    def kept_drafts(self) -> list[int]:
-        """Indices of the accepted drafts, in order."""
-        if self.accepted_drafts is not None:
-            return self.accepted_drafts
-        return list(range(len(self.token_ids) - 1))
-
-
-@dataclass
-class RequestUpdate:
-    """What one step did for one request: the tokens it emitted and, if it ended, why."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None
-    finish_reason: FinishReason | None = None
-    stop_reason: int | None = None
-    # the request's speculation stats, on its final update
-    spec_stats: SpecStats | None = None
-    # prompt tokens whose K/V came from the prefix cache, on its final update
-    num_cached_tokens: int = 0
-    # why the request failed, with finish_reason ERROR
-    error: str | None = None
+from engine.kv.block_manager import BlockManager
+from engine.request import FinishReason, Request, RequestStatus
+from engine.step.layout import DraftProposal, DraftTokens, StepLayout
+from engine.step.scheduler_output import SchedulerOutput
+from engine.step.types import (
+    ForwardInput,
+    RequestUpdate,
+    SampledTokens,
+    ScheduledRequest,
+    SequenceRows,
+)
 
 
 class Scheduler:
@@ -227,8 +151,25 @@ class Scheduler:
             scheduled.append(item)
             budget -= item.num_new_tokens
         num_batched = self.config.max_num_batched_tokens - budget
-        return SchedulerOutput(scheduled, num_batched, StepLayout.build(scheduled, self.device),
-                               preempted)
+        layout = StepLayout.build(scheduled, self.device)
+        return SchedulerOutput(scheduled, num_batched, layout,
+                               self._forward_input(scheduled, layout), preempted)
+
+    def _forward_input(self, scheduled: list[ScheduledRequest],
+                       layout: StepLayout) -> ForwardInput:
+        """The target pass: each request's next known tokens, then its drafts, from the position
+        its computed K/V ends at, with its block table."""
+        sequences = []
+        for item in scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            known = request.token_ids_between(start, start + item.num_known_tokens)
+            parents = None if item.draft_parents is None else row_parents(
+                item.num_known_tokens, item.draft_parents, item.num_draft_tokens)
+            sequences.append(SequenceRows(request.request_id, start,
+                                          known + item.draft_token_ids, parents,
+                                          list(self.block_manager.block_table(request.request_id))))
+        return ForwardInput(sequences, layout.logits_rows)
 
     def _plan(self, request: Request, budget: int) -> ScheduledRequest:
         """The next chunk of known tokens that fits the budget, then as many drafts as still fit."""

@@ -69,6 +69,10 @@ class SpeculativeConfig:
     # key + salt: acceptance counts could otherwise reveal other clients' outputs); "global" = from
     # every request's outputs (one trusted client). suffix_max_cached_tokens bounds the total.
     suffix_cache_scope: str = "tenant"
+    # ranks a model drafter runs on (vLLM's key): 1, unsharded on rank 0 beside a target split over
+    # any number of ranks. A sharded drafter would pay an all-reduce per layer per draft token for
+    # a model too small to need the memory (docs/perf.md measures it), so it is not offered.
+    draft_tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -95,6 +99,9 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.draft_tensor_parallel_size != 1:
+            raise ValueError(f"draft_tensor_parallel_size must be 1 (drafters run unsharded on "
+                             f"rank 0), got {self.draft_tensor_parallel_size!r}")
         self._check_suffix_settings()
 
     def _check_suffix_settings(self) -> None:
@@ -140,7 +147,8 @@ class SpeculativeConfig:
                               ("suffix_max_depth", int), ("suffix_max_cached_tokens", int),
                               ("suffix_min_token_prob", numbers.Real),
                               ("suffix_factor", numbers.Real), ("suffix_cache_scope", str),
-                              ("adaptive", bool), ("draft_tree", bool)):
+                              ("adaptive", bool), ("draft_tree", bool),
+                              ("draft_tensor_parallel_size", int)):
             if key in value and (not isinstance(value[key], expected)
                                  or (isinstance(value[key], bool) and expected is not bool)):
                 raise ValueError(f"speculative config {key!r} must be {expected.__name__}, "

@@ -94,6 +94,22 @@ def _add_serve_parser(commands) -> None:
                        help="open HTTP connections beyond this get 503 and are closed")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    parallel = serve.add_argument_group(
+        "tensor parallelism", "the model split over ranks, one process (one GPU) each; across "
+        "machines, every node runs this command with its --node-rank, node 0 the server")
+    parallel.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                          help="ranks the target is split over (all nodes together)")
+    parallel.add_argument("--nnodes", type=int, default=1, help="machines the ranks spread over")
+    parallel.add_argument("--node-rank", type=int, default=0,
+                          help="this machine's place: 0 serves HTTP and schedules; others only "
+                               "run their ranks")
+    parallel.add_argument("--master-addr", default="127.0.0.1",
+                          help="node 0's address, where the ranks meet")
+    parallel.add_argument("--master-port", type=int, default=None,
+                          help="node 0's port for the ranks (a free one on one node)")
+    parallel.add_argument("--distributed-timeout", type=float, default=60.0,
+                          help="seconds a step waits for a rank that died or hangs before the "
+                               "engine reports dead")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -112,10 +128,18 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory_gib,
         num_threads=args.num_threads, gpu_kernels=args.gpu_kernels,
         enable_prefix_caching=args.enable_prefix_caching,
-        speculative_config=args.speculative_config)
+        speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,
+        node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+        distributed_timeout_s=args.distributed_timeout)
     engine_args.configs()  # NOTE: bad settings fail here, before the engine process starts
+    engine_args.parallel_config()
     if args.model is not None and not os.path.exists(args.model):
         raise FileNotFoundError(f"--model {args.model}: no such file or folder")
+    if args.node_rank > 0:
+        from engine.runner.ranks import run_node
+
+        return run_node(engine_args)
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     if args.max_waiting_requests < 1:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import time
 
 from engine.adaptive.step_cost import StepCostModel
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.request import Request
+from engine.runner.worker import Worker
 from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest, SchedulerOutput
-from engine.step_layout import StepLayout
-from engine.worker import Worker
+from engine.step.layout import StepLayout
+from engine.step.types import ForwardInput, ScheduledRequest, SequenceRows
 
 # token counts timed at start-up (decode batches with their drafts); steps in between are
 # interpolated, bigger ones extrapolated until real steps measure them
@@ -49,12 +49,15 @@ def _time_verification(worker: Worker, block_manager: BlockManager, sampler: Rej
                       frozenset())
     item = ScheduledRequest(request, num_tokens, is_sampling=True,
                             draft_token_ids=[0] * (num_tokens - 1))
-    output = SchedulerOutput([item], num_tokens, StepLayout.build([item], worker.device))
+    layout = StepLayout.build([item], worker.device)
     block_manager.allocate(CALIBRATION_REQUEST_ID, num_tokens)
+    forward = ForwardInput([SequenceRows(CALIBRATION_REQUEST_ID, 0, [0] * num_tokens, None,
+                                         block_manager.block_table(CALIBRATION_REQUEST_ID))],
+                           layout.logits_rows)
     try:
         start = time.perf_counter()
-        out = worker.execute(output)
-        sampler(out.logits, output.layout)
+        out = worker.execute(forward)
+        sampler(out.logits, layout)
         return time.perf_counter() - start
     finally:
         block_manager.free(CALIBRATION_REQUEST_ID)

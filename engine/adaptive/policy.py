@@ -57,8 +57,9 @@ from engine.adaptive.acceptance import PRIOR_WEIGHT, AcceptanceTracker
 from engine.adaptive.step_cost import STALE_AFTER, StepCostModel
 from engine.draft_tree import sibling_ranks
 from engine.request import Request
-from engine.scheduler import SampledTokens, SchedulerOutput
-from engine.step_layout import DraftProposal
+from engine.step.layout import DraftProposal
+from engine.step.scheduler_output import SchedulerOutput
+from engine.step.types import SampledTokens
 
 # speculate only when the model predicts at least this much more throughput than plain decoding:
 # the margin absorbs noise in the measured costs

@@ -22,10 +22,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-                gpu_kernels: str = "torch") -> tuple[LlamaForCausalLM, str]:
+                gpu_kernels: str = "torch", arch: LlamaArch | None = None
+                ) -> tuple[LlamaForCausalLM, str]:
     """The module in eval mode on `device`, and the name of the kernels it uses (engine/config.py's
-    GPU_KERNELS for gpu_kernels)."""
-    arch = LlamaArch.from_hf_config(checkpoint.hf_config)
+    GPU_KERNELS for gpu_kernels). `arch`: the shape the weights have, when not the checkpoint's
+    (one tensor-parallel rank's shard, engine/runner/sharding.py)."""
+    arch = arch or LlamaArch.from_hf_config(checkpoint.hf_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
     weights = checkpoint.weights
@@ -71,6 +73,6 @@ def optimize_for_cpu(model: torch.nn.Module, dtype: torch.dtype, device: torch.d
 
 def allocate_kv_cache(arch: LlamaArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
-    """Per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (engine/attention.py)."""
+    """Per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (engine/runner/attention.py)."""
     return [torch.zeros(2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim, dtype=dtype,
                         device=device) for _ in range(arch.num_layers)]

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.models.arch import LlamaArch
+from engine.runner.attention import AttentionMetadata, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):
@@ -65,6 +65,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     # with fused ops: rotary in place on q and k within the qkv rows
     fused_ops = None
+    # under tensor parallelism (engine/runner/collectives.py): o_proj is row-parallel, its parts summed
+    tp_group = None
 
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
@@ -88,11 +90,14 @@ class Attention(nn.Module):
         if self.fused_ops is None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(kv_cache, k, v, meta)
-        return self.o_proj(paged_attention(q, kv_cache, meta, self.scale))  # [T, hidden]
+        out = self.o_proj(paged_attention(q, kv_cache, meta, self.scale))  # [T, hidden]
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
 class MLP(nn.Module):
     fused_ops = None
+    # under tensor parallelism: down_proj is row-parallel, its parts summed
+    tp_group = None
 
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
@@ -101,9 +106,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_ops is not None:
-            return self.down_proj(self.fused_ops.silu_and_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(self.fused_ops.silu_and_mul(self.gate_up_proj(x)))
+        else:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -146,11 +153,14 @@ class LlamaForCausalLM(nn.Module):
         # forward then leaves them side by side in aux_hidden_states, [num_tokens, n * hidden]
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
+        # under tensor parallelism: this rank's first vocabulary row, and every rank's row count
+        self.tp_group = None
+        self.vocab_start, self.vocab_widths = 0, [arch.vocab_size]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; returns final-norm hidden states [num_tokens, hidden]."""
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
         aux = []
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -161,13 +171,35 @@ class LlamaForCausalLM(nn.Module):
             self.aux_hidden_states = torch.cat(aux, dim=-1)
         return self.norm(x)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[num_tokens] -> [num_tokens, hidden]; under tensor parallelism each rank looks up the
+        ids in its rows, zeros the others, and the sum fills every row (exactly: x + 0 = x)."""
+        if self.tp_group is None:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.arch.vocab_size)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp_group.all_reduce(x.masked_fill_(outside[:, None], 0.0))
+
+    def use_tensor_parallel(self, group, vocab_start: int, vocab_widths: list[int]) -> None:
+        """This module is one rank's shard (engine/runner/sharding.py): every row-parallel output
+        and the embedding are summed over `group`, logits gathered on its first rank."""
+        self.tp_group, self.vocab_start, self.vocab_widths = group, vocab_start, list(vocab_widths)
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.tp_group = group
+
     def use_fused_ops(self, fused_ops: ModuleType | None) -> None:
         """Run every norm, rotary and SiLU-and-multiply through `fused_ops` (None: the torch ops)."""
         use_fused_ops(self, fused_ops)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [num_rows, hidden] (only the rows that sample) -> logits [num_rows, vocab]."""
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [num_rows, hidden] (only the rows that sample) -> logits [num_rows, vocab]
+        (under tensor parallelism: on the first rank; the others get None)."""
+        logits = self.lm_head(hidden)
+        if self.tp_group is None:
+            return logits
+        return self.tp_group.gather_columns(logits, self.vocab_widths)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up; a missing tensor is an error."""

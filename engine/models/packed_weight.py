@@ -70,6 +70,18 @@ class PackedWeight:
         return PackedWeight(self.format, torch.from_numpy(self.data.numpy()[index]),
                             (len(index), self.in_features))
 
+    def select_columns(self, columns: range) -> PackedWeight:
+        """Input features `columns` of every row; both ends on block boundaries (a row-parallel
+        shard, engine/runner/sharding.py)."""
+        block_size, block_bytes = block_geometry(self.format)
+        if columns.start % block_size or columns.stop % block_size or columns.step != 1 or not (
+                0 <= columns.start < columns.stop <= self.in_features):
+            raise ValueError(f"{self.format} columns split on blocks of {block_size} within "
+                             f"{self.in_features}, not {columns}")
+        first, last = columns.start // block_size * block_bytes, columns.stop // block_size * block_bytes
+        data = np.ascontiguousarray(self.data.numpy()[:, first:last])  # NOTE: numpy's, as above
+        return PackedWeight(self.format, torch.from_numpy(data), (self.out_features, len(columns)))
+
     @staticmethod
     def concat(parts: Sequence[PackedWeight]) -> PackedWeight:
         """Rows of same-format, same-width weights stacked (q/k/v, gate/up), as one weight."""

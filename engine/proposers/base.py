@@ -11,7 +11,7 @@ from torch import nn
 from engine.models.arch import LlamaArch
 from engine.request import Request
 from engine.sample.sampler import process_request_logits, request_probs, sample_one
-from engine.step_layout import DraftProposal
+from engine.step.layout import DraftProposal
 
 __all__ = ["DraftProposal", "Proposer", "TargetHandle", "model_draft_proposal",
            "sample_draft_token"]

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from engine.models.build import optimize_for_cpu
-from engine.paged_runner import PagedInputs, PagedRunner, SequenceRows
 from engine.proposers.base import DraftProposal, Proposer, TargetHandle
 from engine.proposers.chain import draft_chains
 from engine.proposers.eagle3_head import Eagle3Head
@@ -32,6 +31,8 @@ from engine.proposers.eagle_head import EagleHead
 from engine.proposers.eagle_tree import TreeGrowth
 from engine.proposers.target_features import TargetFeatureStore
 from engine.request import Request
+from engine.runner.paged_runner import PagedInputs, PagedRunner
+from engine.step.types import SequenceRows
 
 
 @torch.inference_mode()

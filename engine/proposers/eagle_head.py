@@ -26,7 +26,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.attention import AttentionMetadata
 from engine.models.arch import LlamaArch
 from engine.models.llama import DecoderLayer, RotaryEmbedding
 from engine.proposers.speculator_folder import (
@@ -35,6 +34,7 @@ from engine.proposers.speculator_folder import (
     read_config,
     write_config,
 )
+from engine.runner.attention import AttentionMetadata
 
 CONFIG_FILE = "eagle_config.json"
 

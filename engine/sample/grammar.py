@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from engine.step_layout import DraftProposal, StepLayout
+from engine.step.layout import DraftProposal, StepLayout
 from engine.structured import allocate_token_bitmask, apply_token_bitmask_, fill_batch_masks
 
 

@@ -35,8 +35,8 @@ import torch
 from engine.sample.grammar import mask_step_logits
 from engine.sample.logprobs import compute_logprobs
 from engine.sample.sampler import draw_tokens, draw_uniforms, process_logits, target_probs
-from engine.scheduler import SampledTokens
-from engine.step_layout import StepLayout
+from engine.step.layout import StepLayout
+from engine.step.types import SampledTokens
 from kernels import PLACEHOLDER_TOKEN_ID, rejection_sample, tree_rejection_sample
 
 NON_FINITE_LOGITS = ("the model produced non-finite logits (NaN or +inf) for this request; it "

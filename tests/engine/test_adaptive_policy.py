@@ -20,7 +20,7 @@ from engine.adaptive.policy import MIN_RELATIVE_GAIN, PROBE_INTERVAL
 from engine.adaptive.step_cost import STALE_AFTER, non_decreasing_fit
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledTokens
+from engine.step.types import SampledTokens
 
 COST_SHAPES = {
     # seconds of a target pass over n tokens
@@ -345,7 +345,7 @@ def test_a_tree_is_valued_and_cut_node_by_node():
     observed with the proposer's ranks: learning that second guesses pay survives cutting."""
     from types import SimpleNamespace
 
-    from engine.step_layout import DraftProposal
+    from engine.step.layout import DraftProposal
 
     tracker = AcceptanceTracker()
     parents = [-1, 0, -1, 2, 3, 2]
@@ -511,7 +511,7 @@ def test_a_cut_draft_is_tested_by_the_token_its_step_emits():
 
     from types import SimpleNamespace
 
-    from engine.step_layout import DraftProposal
+    from engine.step.layout import DraftProposal
 
     policy = drafts_first_policy(CPU_PACKED)
     # as the engine: a step verifies, drafts for the next (here cut to nothing), then learns
@@ -569,7 +569,7 @@ def saturation_seconds(policy: AdaptiveSpeculation | None, cost, num_requests: i
     so every policy sees the same ones."""
     from types import SimpleNamespace
 
-    from engine.step_layout import DraftProposal
+    from engine.step.layout import DraftProposal
 
     def offer(index: int, position: int) -> tuple[list[int], list[int]]:
         rng = np.random.default_rng([index, position])

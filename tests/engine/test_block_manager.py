@@ -1,4 +1,4 @@
-"""engine/block_manager.py: block tables grow by ceil(tokens / block_size), the pool never leaks."""
+"""engine/kv/block_manager.py: block tables grow by ceil(tokens / block_size), the pool never leaks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 
 BLOCK_SIZE = 4
 

@@ -19,7 +19,7 @@ from engine.proposers.ngram import NgramProposer, lookup_continuation, lookup_tr
 from engine.proposers.suffix import SuffixProposer
 from engine.proposers.suffix_tree import SuffixTree
 from engine.request import Request
-from engine.step_layout import DraftProposal
+from engine.step.layout import DraftProposal
 
 _request_ids = itertools.count()
 

@@ -141,7 +141,7 @@ def test_a_folder_without_a_head_is_refused(target, tmp_path):
 def test_the_unrolled_training_layout_is_what_drafting_computes(arch, untrained):
     """Step s of training at position i equals drafting: catch up on true features to position
     i - s + 1, then feed the head its own outputs for s - 1 more positions."""
-    from engine.attention import build_attention_metadata
+    from engine.runner.attention import build_attention_metadata
     from engine.training.train_eagle import UnrolledChain, unrolled_hidden
 
     head = EagleHead.load(untrained, arch, torch.float64, torch.device("cpu"))

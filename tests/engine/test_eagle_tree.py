@@ -25,7 +25,7 @@ from engine.models.loader import load_checkpoint
 from engine.proposers.eagle import EagleProposer
 from engine.proposers.eagle_tree import BRANCH, TreeGrowth
 from engine.request import Request
-from engine.step_layout import DraftProposal
+from engine.step.layout import DraftProposal
 
 
 def sibling(name: str) -> ModuleType:

@@ -14,8 +14,8 @@ from engine.request import Request
 from engine.sample.rejection import RejectionSampler
 from engine.sample.sampler import apply_min_p, process_logits, target_probs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
-from engine.step_layout import StepLayout
+from engine.step.layout import StepLayout
+from engine.step.types import ScheduledRequest
 
 EOS = 0
 VOCAB = 12

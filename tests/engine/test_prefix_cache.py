@@ -1,4 +1,4 @@
-"""engine/prefix_cache.py + BlockManager with prefix caching: full blocks of committed tokens are shared
+"""engine/kv/prefix_cache.py + BlockManager with prefix caching: full blocks of committed tokens are shared
 within a tenant, never written, evicted least recently used first, and never mistaken on a collision."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine import prefix_cache
-from engine.block_manager import BlockManager
+from engine.kv import prefix_cache
+from engine.kv.block_manager import BlockManager
 
 BLOCK_SIZE = 4
 SALT = "tenant-a"

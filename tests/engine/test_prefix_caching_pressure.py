@@ -25,7 +25,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
-from engine.prefix_cache import CachedBlock
+from engine.kv.prefix_cache import CachedBlock
 
 BLOCK = 16
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
@@ -95,8 +95,10 @@ class CachedKVWatch:
         return [layer[:, :, block_id].clone() for layer in self.core.worker.kv_caches]
 
     def step(self) -> list:
-        updates = self.core.step()
-        self.num_draft_tokens += self.core.last_step_stats.num_draft_tokens
+        result = self.core.step()
+        updates = result.updates
+        if result.stats is not None:
+            self.num_draft_tokens += result.stats.num_draft_tokens
         self.check()
         return updates
 

@@ -18,10 +18,10 @@ from spec_outputs import third_token_law, token_ids, two_sample_chi2_pvalue
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.attention import build_attention_metadata
 from engine.models.arch import LlamaArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle_head import EagleHead
+from engine.runner.attention import build_attention_metadata
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [1] + list(range(30, 62)), [1, 60], [1, 11, 12, 13, 14]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -20,8 +20,8 @@ from engine.sample.sampler import (
     target_probs,
 )
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledTokens, ScheduledRequest
-from engine.step_layout import StepLayout
+from engine.step.layout import StepLayout
+from engine.step.types import SampledTokens, ScheduledRequest
 from kernels.rejection_reference import inverse_cdf, to_fixed_point
 
 EOS = 0

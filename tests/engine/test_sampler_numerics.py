@@ -20,8 +20,8 @@ from engine.request import Request
 from engine.sample.rejection import NON_FINITE_LOGITS, RejectionSampler
 from engine.sample.sampler import apply_top_k_top_p, request_probs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledTokens, ScheduledRequest
-from engine.step_layout import StepLayout
+from engine.step.layout import StepLayout
+from engine.step.types import SampledTokens, ScheduledRequest
 
 os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before kernels' Triton modules load (conftest sets it too)
 interpreter = pytest.importorskip("triton.runtime.interpreter")

@@ -11,7 +11,8 @@ import pytest
 from engine.config import KVCacheSpec, SchedulerConfig
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import RequestUpdate, SampledTokens, Scheduler
+from engine.scheduler import Scheduler
+from engine.step.types import RequestUpdate, SampledTokens
 
 EOS = 0
 FILLER = 7  # a token that stops nothing

@@ -24,8 +24,8 @@ from engine.request import Request
 from engine.sample.keyed_random import SAMPLE_STREAM
 from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledRequest
-from engine.step_layout import StepLayout
+from engine.step.layout import StepLayout
+from engine.step.types import ScheduledRequest
 
 VOCAB = 4
 # row a: the target's logits after token a (the bigram P)

@@ -115,8 +115,8 @@ def test_sampled_distribution_matches_plain_sampling(tmp_path):
 def test_drafts_are_dropped_before_anyone_is_preempted(checkpoint):
     """With the pool nearly full, a request's drafts go before another request's KV does."""
     from engine.request import Request
-    from engine.scheduler import SampledTokens
-    from engine.step_layout import DraftProposal, DraftTokens
+    from engine.step.layout import DraftProposal, DraftTokens
+    from engine.step.types import SampledTokens
 
     llm = LLM(checkpoint, dtype="float64", max_model_len=16, num_kv_blocks=4, block_size=4)
     scheduler = llm.engine.scheduler

@@ -11,10 +11,10 @@ import os
 import pytest
 import torch
 
-from engine.attention import build_attention_metadata
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
-from engine.static_inputs import StaticStepInputs, StepBucket, seq_buckets
+from engine.runner.attention import build_attention_metadata
+from engine.runner.static_inputs import StaticStepInputs, StepBucket, seq_buckets
 from tests.helpers.tiny_models import build_tiny_checkpoint
 
 os.environ["TRITON_INTERPRET"] = "1"

@@ -1,4 +1,4 @@
-"""engine/step_layout.py and the scheduler's drafts: where a step's rows, drafts and sampling tensors
+"""engine/step/layout.py and the scheduler's drafts: where a step's rows, drafts and sampling tensors
 sit, and the life of a draft from `update_draft_token_ids` to its verification (or its drop on
 preemption, abort and finish). No model runs here."""
 
@@ -11,8 +11,9 @@ from engine.config import KVCacheSpec, SchedulerConfig
 from engine.request import Request
 from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import SampledTokens, ScheduledRequest, Scheduler
-from engine.step_layout import DraftProposal, DraftTokens, StepLayout
+from engine.scheduler import Scheduler
+from engine.step.layout import DraftProposal, DraftTokens, StepLayout
+from engine.step.types import SampledTokens, ScheduledRequest
 
 EOS = 0
 BLOCK_SIZE = 4

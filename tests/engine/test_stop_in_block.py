@@ -79,7 +79,7 @@ def blocks_of(core: EngineCore, prompts: list[list[int]]) -> list[list[list[int]
         core.add_request(f"probe-{index}", prompt, params)
     blocks: list[list[list[int]]] = [[] for _ in prompts]
     while core.has_unfinished:
-        for update in core.step():
+        for update in core.step().updates:
             if update.new_token_ids:
                 blocks[int(update.request_id.split("-")[1])].append(update.new_token_ids)
     return blocks

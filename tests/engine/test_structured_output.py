@@ -23,7 +23,7 @@ from engine.proposers.eagle_head import EagleConfig, EagleHead
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from engine.request import Request
 from engine.sample.grammar import cut_drafts_at_grammar
-from engine.step_layout import DraftProposal
+from engine.step.layout import DraftProposal
 from engine.structured import GrammarCompiler, UnsupportedSchemaError, parse_response_format
 from kernels.rejection_reference import rejection_sample as rejection_sample_reference
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.attention as attention
-from engine.block_manager import BlockManager
+import engine.runner.attention as attention
+from engine.kv.block_manager import BlockManager
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
-from engine.paged_runner import PagedRunner, SequenceRows
+from engine.runner.paged_runner import PagedRunner
+from engine.step.types import SequenceRows
 from kernels.paged_attention_cpu import paged_attention_cpu_available
 
 CPU = torch.device("cpu")

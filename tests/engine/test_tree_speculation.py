@@ -17,7 +17,7 @@ from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
 from engine.proposers.base import Proposer
-from engine.step_layout import DraftProposal
+from engine.step.layout import DraftProposal
 
 PROMPTS = [
     [1, 5, 9, 13, 2, 7, 5, 9, 13, 2],

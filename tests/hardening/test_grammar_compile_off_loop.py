@@ -18,9 +18,11 @@ from engine.messages import (
     EngineOutputs,
     RequestRejected,
     Shutdown,
+    StepStats,
     decode,
     encode,
 )
+from engine.step.types import StepResult
 from engine.structured import UnsupportedSchemaError
 
 SCHEMA_KEY = '{"type":"json_object"}'
@@ -49,7 +51,6 @@ class CountingCore:
         self.compiler = compiler
         self.added: dict[str, object] = {}
         self.num_steps = 0
-        self.last_step_stats = None
 
     def grammar_compiler(self) -> HeldCompiler:
         return self.compiler
@@ -68,7 +69,7 @@ class CountingCore:
 
     def step(self):
         self.num_steps += 1
-        return []
+        return StepResult([], StepStats())
 
 
 class Sockets:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import engine.attention as attention
-from engine.attention import build_attention_metadata, torch_paged_attention
+import engine.runner.attention as attention
+from engine.runner.attention import build_attention_metadata, torch_paged_attention
 
 # NOTE: triton reads this when kernels are decorated, so it is set before the kernel module loads
 os.environ["TRITON_INTERPRET"] = "1"

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine.draft_tree import chain_parents, check_parents, is_chain, main_chain_length
 from engine.sample.metadata import SamplingMetadata, to_device
-
-if TYPE_CHECKING:
-    from engine.scheduler import ScheduledRequest
+from engine.step.types import ScheduledRequest
 
 
 @dataclass
@@ -96,6 +93,8 @@ class StepLayout:
     # [num_rows] int64: rows of the flattened batch whose logits are needed, request after request
     # (its last known token's row, then one per draft token); num_rows = num_draft_tokens + batch
     logits_indices: torch.Tensor
+    # the same rows on the host (what the target pass's input carries to every rank)
+    logits_rows: list[int]
     # [num_draft_tokens] int64: the drafts verified this step, request after request
     draft_token_ids: torch.Tensor
     # [batch] int64: request i owns drafts [cu[i-1], cu[i])
@@ -145,6 +144,7 @@ class StepLayout:
             sampling=sampling,
             logits_starts=logits_starts,
             logits_indices=logits_indices_t,
+            logits_rows=logits_indices,
             draft_token_ids=draft_token_ids_t,
             cu_num_draft_tokens=cu_num_draft_tokens,
             draft_probs=_draft_probs(sampling, len(draft_token_ids), device),

@@ -6,7 +6,7 @@ A request holding `n` tokens of K/V owns ceil(n / block_size) blocks, listed in 
     slots       7*4+0 .. 7*4+3 | 2*4+0 .. 2*4+3 | 9*4+0, 9*4+1     (9*4+2, 9*4+3 free for the next tokens)
 
 With prefix caching on, full blocks of committed tokens are also cached by a hash of their prefix
-(engine/prefix_cache.py) and shared between requests of one tenant:
+(engine/kv/prefix_cache.py) and shared between requests of one tenant:
 
     request a   [7, 2, 9]        7, 2 cached (ref count 2)   9 holds a's last prompt token: a's own
     request b   [7, 2, 4, 5]     b computes from token 8 on, writing only into 4 and 5
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from engine.prefix_cache import CachedBlock, PrefixCache
+from engine.kv.prefix_cache import CachedBlock, PrefixCache
 
 
 class BlockManager:

@@ -32,28 +32,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, build_attention_metadata, check_tree_rows
-from engine.block_manager import BlockManager
-from engine.draft_tree import is_chain
+from engine.kv.block_manager import BlockManager
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache
-
-
-@dataclass
-class SequenceRows:
-    """One sequence's rows in a pass: its tokens in the slots of positions start .. start +
-    len(token_ids) - 1 (and at those positions, unless `parents` makes them a tree)."""
-
-    seq_id: str
-    start: int
-    token_ids: list[int]
-    # over the rows: row r's parent row (-1 for row 0, earlier rows after it), at most
-    # MAX_TREE_ROWS rows unless a chain; None = a chain (-1, 0, 1, ...), the ordinary causal rows
-    parents: list[int] | None = None
-
-    def tree_parents(self) -> list[int] | None:
-        """The parents when the rows are a real tree, None when they are a chain."""
-        return None if is_chain(self.parents) else self.parents
+from engine.runner.attention import AttentionMetadata, build_attention_metadata, check_tree_rows
+from engine.step.types import SequenceRows
 
 
 @dataclass
@@ -114,7 +97,8 @@ class PagedRunner:
                 positions += [rows.start + depth for depth in row_depths(parents)]
             query_lens.append(len(rows.token_ids))
             seq_lens.append(end)
-            tables.append(self.blocks.block_table(rows.seq_id))
+            tables.append(rows.block_table if rows.block_table is not None
+                          else self.blocks.block_table(rows.seq_id))
             last_rows.append(len(token_ids) - 1)
             tree_parents.append(parents)
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.blocks.block_size,
@@ -135,7 +119,8 @@ class PagedRunner:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
-    def keep_rows(self, seq_id: str, start: int, rows: list[int]) -> None:
+    def keep_rows(self, seq_id: str, start: int, rows: list[int],
+                  block_table: list[int] | None = None) -> None:
         """After a tree pass that began at `start`: the K/V at positions start + i (every layer)
         become those row `rows[i]` wrote. `rows` increase with rows[i] >= i (the accepted path,
         root first); rows already in place are not copied.
@@ -149,7 +134,8 @@ class PagedRunner:
         moves = [(start + i, start + row) for i, row in enumerate(rows) if row != i]
         if not moves:
             return
-        table, block_size = self.blocks.block_table(seq_id), self.blocks.block_size
+        table = self.blocks.block_table(seq_id) if block_table is None else block_table
+        block_size = self.blocks.block_size
         if start + rows[-1] >= len(table) * block_size:
             raise ValueError(f"sequence {seq_id!r} holds no slot for position {start + rows[-1]}")
         slots = [[table[pos // block_size] * block_size + pos % block_size for pos in move]

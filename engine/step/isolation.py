@@ -17,8 +17,8 @@ import torch
 
 from engine.failures import describe
 from engine.request import Request
-from engine.scheduler import SampledTokens
-from engine.step_layout import DraftProposal, StepLayout
+from engine.step.layout import DraftProposal, StepLayout
+from engine.step.types import SampledTokens
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,261 @@
+"""Owns the target model, its KV cache and its block pool (one PagedRunner); runs one forward pass per
+engine step."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import subprocess
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CacheConfig, KVCacheSpec, ModelConfig, ParallelConfig
+from engine.cpu_threads import usable_cpu_count
+from engine.kv.block_manager import BlockManager
+from engine.models.arch import LlamaArch
+from engine.models.build import allocate_kv_cache, build_model, optimize_for_cpu
+from engine.models.loader import load_checkpoint
+from engine.models.memory import MemoryReport, release_freed_memory, resident_bytes
+from engine.models.packed_model import packed_bytes
+from engine.models.vocab_heads import build_vocab_heads, vocab_weights
+from engine.proposers.base import TargetHandle
+from engine.runner.collectives import Rendezvous, TensorParallelGroup, free_port
+from engine.runner.paged_runner import PagedRunner
+from engine.runner.ranks import start_rank_processes, stop_rank_processes
+from engine.runner.sharding import ShardPlan, intermediate_unit, shard_weights
+from engine.step.scheduler_output import SchedulerOutput
+from engine.step.types import ForwardInput, SampledTokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelRunnerOutput:
+    # [num_sampling_rows, vocab]: per sampling request, 1 + num_draft_tokens rows (step_layout.py)
+    logits: torch.Tensor
+    # [num_sampling_rows, hidden]: the final-norm hidden states those logits came from (proposers
+    # that draft from the target's features read them)
+    hidden: torch.Tensor
+    # [num_tokens, features]: what EAGLE reads at every row of the flattened batch, in the scheduled
+    # order: the final-norm hidden state, or with capture_aux_hidden (EAGLE-3) the residual streams
+    # entering the chosen layers, side by side
+    token_hidden: torch.Tensor
+
+
+class Worker:
+    """One rank's share of the target. Without tensor parallelism, the whole model; with it, rank
+    0 (the engine process) also starts its node's other ranks and sends each step's pass to every
+    rank (engine/runner/ranks.py), and the others run those passes on their shards."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 parallel_config: ParallelConfig | None = None, rank: int = 0) -> None:
+        parallel = parallel_config or ParallelConfig()
+        self.rank, self.tp_size = rank, parallel.tensor_parallel_size
+        self.device = model_config.torch_device
+        if self.device.type == "cuda" and self.tp_size > 1:
+            self.device = torch.device("cuda", rank % parallel.ranks_per_node)
+            torch.cuda.set_device(self.device)
+        if model_config.num_threads is not None or self.device.type == "cpu":
+            torch.set_num_threads(model_config.num_threads or max(
+                1, usable_cpu_count() // (parallel.ranks_per_node if self.tp_size > 1 else 1)))
+        self.dtype = model_config.torch_dtype
+        if self.device.type == "cuda":
+            # NOTE: cuDNN's SDPA builds a plan for every new KV length: measured 1.9 ms of CPU per call,
+            # 60% of a decode step on an H100 (benchmarks/profile_step.py); the other backends need none
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        # the other ranks of this node (rank 0 only), and the group every rank joins
+        self.rank_processes: list[subprocess.Popen] = []
+        self.tp_group: TensorParallelGroup | None = None
+        if self.tp_size > 1:
+            self.tp_group = self._join_ranks(model_config, cache_config, parallel)
+        self.weights_packed = model_config.keep_weights_packed
+        checkpoint = load_checkpoint(model_config.model, self.dtype, packed=self.weights_packed)
+        self.tokenizer = checkpoint.tokenizer
+        # what was loaded, in words (logs and the server's start-up line)
+        self.source = checkpoint.source
+        self.hf_config = checkpoint.hf_config
+        # the whole model's numbers (the vocabulary the sampler sees); `local_arch`: this rank's
+        self.arch = LlamaArch.from_hf_config(checkpoint.hf_config)
+        self.gpu_kernels = model_config.gpu_kernels
+        # rank 0 under tensor parallelism: the embedding and LM head whole, for drafters
+        self._vocab_weights: dict | None = None
+        local_arch, kv_heads = self.arch, self.arch.num_kv_heads
+        if self.tp_group is not None:
+            plan = ShardPlan.build(self.arch, self.tp_size, intermediate_unit(checkpoint.weights))
+            if rank == 0:
+                self._vocab_weights = vocab_weights(checkpoint.weights)
+            checkpoint = dataclasses.replace(checkpoint, weights=shard_weights(
+                checkpoint.weights, self.arch, plan, rank))
+            local_arch, kv_heads = plan.local_arch(self.arch, rank), plan.max_kv_heads()
+        self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device,
+                                                      self.gpu_kernels, arch=local_arch)
+        if self.tp_group is not None:
+            self.model.use_tensor_parallel(self.tp_group, plan.shards[rank].vocab.start,
+                                           [len(shard.vocab) for shard in plan.shards])
+            self.linear_backend += f", tensor-parallel rank {rank} of {self.tp_size}"
+        self.kv_spec = self._size_kv_cache(model_config, cache_config, kv_heads)
+        # NOTE: one pool per model, so the prefix cache's model identity can stay empty; under
+        # tensor parallelism rank 0's pool decides, and every rank writes the same slots
+        blocks = BlockManager(self.kv_spec.num_blocks, self.kv_spec.block_size,
+                              enable_prefix_caching=cache_config.enable_prefix_caching)
+        self.runner = PagedRunner(
+            self.model, allocate_kv_cache(local_arch, self.kv_spec.num_blocks,
+                                          self.kv_spec.block_size, self.dtype, self.device),
+            blocks, self.arch.sliding_window, self.device,
+            "triton" if self.gpu_kernels == "triton" else "auto")
+        del checkpoint  # the file's tensors now live in the model; the rest is scratch
+        release_freed_memory()
+        packed, dense = packed_bytes(self.model)
+        # what start-up reports: the weights as held (packed + float), the KV cache, the process
+        self.memory = MemoryReport(packed, dense, self.kv_spec.num_blocks * self.kv_spec.block_size
+                                   * self.kv_spec.bytes_per_token, resident_bytes())
+        logger.info("loaded %s: %d layers, %s on %s (%s matmuls); KV cache %d blocks x %d tokens; "
+                    "%s", self.source, self.arch.num_layers, self.dtype, self.device,
+                    self.linear_backend, self.kv_spec.num_blocks, self.kv_spec.block_size,
+                    self.memory.describe())
+
+    def _join_ranks(self, model_config: ModelConfig, cache_config: CacheConfig,
+                    parallel: ParallelConfig) -> TensorParallelGroup:
+        """Rank 0 starts its node's other ranks first; every rank then joins the group. While
+        rank 0 waits for them, a rank that exits (a bad model path, no memory) fails start-up."""
+        port = parallel.master_port
+        if self.rank == 0:
+            port = port or free_port(parallel.master_addr)
+            self.rank_processes = start_rank_processes(
+                model_config, cache_config, dataclasses.replace(parallel, master_port=port),
+                range(1, parallel.ranks_per_node))
+            atexit.register(self.close)
+        rendezvous = Rendezvous(parallel.master_addr, port, self.tp_size,
+                                parallel.distributed_timeout_s)
+        joined: dict[str, object] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = TensorParallelGroup(rendezvous, self.rank, self.device)
+            except BaseException as error:  # NOTE: re-raised on the caller's thread
+                joined["error"] = error
+
+        thread = threading.Thread(target=join, name="tensor-parallel-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            for process in self.rank_processes:
+                if process.poll() is not None:
+                    self.close()
+                    raise RuntimeError(f"tensor-parallel rank process {process.pid} exited with "
+                                       f"code {process.returncode} before joining")
+        if "error" in joined:
+            self.close()
+            raise joined["error"]
+        return joined["group"]
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to leave and wait for them (idempotent)."""
+        if self.rank != 0:
+            return
+        group, self.tp_group = self.tp_group, None
+        if group is not None:
+            try:
+                group.broadcast(("stop", None))
+            except RuntimeError:  # NOTE: a rank already gone; the others exit with their parent
+                pass
+        stop_rank_processes(self.rank_processes)
+        self.rank_processes = []
+        if group is not None:
+            group.close()
+
+    def _size_kv_cache(self, model_config: ModelConfig, cache_config: CacheConfig,
+                       kv_heads: int) -> KVCacheSpec:
+        """Blocks for `kv_heads` heads per layer (under tensor parallelism, the most any rank
+        holds, so every rank sizes its pool alike)."""
+        arch = self.arch
+        max_model_len = model_config.max_model_len or arch.max_position_embeddings
+        if max_model_len > arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{arch.max_position_embeddings}")
+        bytes_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * self.dtype.itemsize
+        num_blocks = cache_config.num_blocks or int(
+            cache_config.kv_cache_memory_gib * 2**30 // (bytes_per_token * cache_config.block_size))
+        if num_blocks * cache_config.block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * cache_config.block_size} tokens, fewer than "
+                f"max_model_len {max_model_len}: raise the KV cache memory or lower max_model_len")
+        return KVCacheSpec(num_blocks, cache_config.block_size, max_model_len, bytes_per_token)
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.runner.kv_caches
+
+    @property
+    def block_manager(self) -> BlockManager:
+        """The target's pool; the scheduler fills it."""
+        return self.runner.blocks
+
+    def capture_aux_hidden(self, layer_ids: tuple[int, ...]) -> None:
+        """From now on, token_hidden holds the residual streams entering these layers (EAGLE-3)."""
+        if not all(0 <= i < self.arch.num_layers for i in layer_ids):
+            raise ValueError(f"feature layers {list(layer_ids)} out of the target's "
+                             f"{self.arch.num_layers} layers")
+        self.model.aux_hidden_layers = tuple(layer_ids)
+
+    def target_handle(self) -> TargetHandle:
+        """What drafters may use of the target (engine/proposers/base.py)."""
+        model = self.model
+        if self.tp_group is not None:  # drafters run on rank 0, beside the shards: whole tables
+            model = build_vocab_heads(self._vocab_weights, self.dtype, self.device)
+            optimize_for_cpu(model, self.dtype, self.device)
+        return TargetHandle(self.arch, model, self.dtype, self.device,
+                            self.kv_spec.num_blocks, self.kv_spec.block_size,
+                            weights_packed=self.weights_packed)
+
+    @torch.inference_mode()
+    def execute(self, forward: ForwardInput) -> ModelRunnerOutput:
+        """The step's target pass (the scheduler's ForwardInput); logits at its logits rows (under
+        tensor parallelism rank 0 sends the pass to every rank first, and only it gets logits)."""
+        if self.tp_group is not None and self.rank == 0:
+            self.tp_group.broadcast(("execute", forward))
+        inputs = self.runner.prepare(forward.sequences)
+        hidden = self.runner.run(inputs)
+        rows = hidden[torch.tensor(forward.logits_rows, dtype=torch.int64, device=self.device)]
+        token_hidden = self.model.aux_hidden_states if self.model.aux_hidden_layers else hidden
+        return ModelRunnerOutput(logits=self.runner.logits(rows), hidden=rows,
+                                 token_hidden=token_hidden)
+
+    @torch.inference_mode()
+    def keep_accepted_paths(self, output: SchedulerOutput, sampled: list[SampledTokens]) -> None:
+        """Before commit: each tree's accepted path moves its K/V to the positions right after its
+        known tokens, where the committed tokens belong. Bookkeeping alone when the path is the
+        tree's first branch (its rows are already there); otherwise a copy of at most its depth
+        rows per layer, on every rank."""
+        moves: list[KeptRows] = []
+        for item, kept in zip(output.sampling, sampled):
+            if item.draft_parents is None:
+                continue
+            num_known = item.num_known_tokens
+            rows = list(range(num_known)) + [num_known + draft for draft in kept.kept_drafts]
+            if any(row != position for position, row in enumerate(rows)):
+                request_id = item.request.request_id
+                moves.append(KeptRows(request_id, item.request.num_computed_tokens, rows,
+                                      self.block_manager.block_table(request_id)))
+        if moves and self.tp_group is not None:
+            self.tp_group.broadcast(("keep_rows", moves))
+        self.keep_rows(moves)
+
+    @torch.inference_mode()
+    def keep_rows(self, moves: list[KeptRows]) -> None:
+        for move in moves:
+            self.runner.keep_rows(move.seq_id, move.start, move.rows, move.block_table)
+
+
+@dataclass
+class KeptRows:
+    """A tree's accepted path: the K/V of rows `rows` moves to positions start, start + 1, ..."""
+
+    seq_id: str
+    start: int
+    rows: list[int]
+    block_table: list[int]
