@@ -1,5 +1,5 @@
 // Paged attention on the CPU: every query row reads its sequence's K/V blocks where they lie in the
-// cache, with no padded copy of the context and no mask (engine/attention.py: the torch reference).
+// cache, with no padded copy of the context and no mask (engine/runner/attention.py: the torch reference).
 //
 //   query                   [num_tokens, num_heads, head_dim] float32
 //   key_cache, value_cache  [num_kv_heads, num_blocks, block_size, head_dim] (kv_cache[0], [1])
@@ -10,7 +10,7 @@
 //   tree_mask (optional)    [num_tokens] int64: -1 = a causal row; else a tree row's ancestor
 //                           bits (bit j = it sees its sequence's row j), the context before the
 //                           sequence's row 0 from position start + popcount - sliding_window on
-//                           (engine/attention.py, tree_ancestor_masks). A sequence's rows are all
+//                           (engine/runner/attention.py, tree_ancestor_masks). A sequence's rows are all
 //                           trees or all causal.
 //   returns                 [num_tokens, num_heads * head_dim] float32
 //
@@ -371,7 +371,7 @@ inline void attend_chunk(const float* const* q, const Chunk& chunk, const Proble
 template <typename Attend>
 inline void attend_tree_row(uint64_t mask, int seq_start, int seq_len, int sliding_window,
                             int chunk_start, int chunk_keys, Attend attend) {
-  // NOTE: the mask holds min(depth + 1, window) bits (engine/attention.py), so the window, which
+  // NOTE: the mask holds min(depth + 1, window) bits (engine/runner/attention.py), so the window, which
   // ends at position start + depth, admits the context from start + popcount - window on
   const int context_begin =
       sliding_window > 0 ? std::max(0, seq_start + __builtin_popcountll(mask) - sliding_window) : 0;
