@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from tiny_chat_model import build_tiny_chat_checkpoint
 from tiny_models import build_tiny_checkpoint
 
 
@@ -25,3 +26,9 @@ def tiny_llama(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory) -> str:
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llama(tmp_path_factory) -> str:
+    """The tiny random Llama with the embedded model's tokenizer and chat template."""
+    return build_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny_chat_llama"))

@@ -1,9 +1,10 @@
 """The tensor-parallel ranks joined with torch.distributed, and the few collectives the model needs.
 
-Two groups over the same ranks: the data group (gloo on the CPU, NCCL on CUDA) carries the model's
-sums and gathers and times out after `timeout_s`, so a rank that dies or hangs mid-step ends the
-step with an error instead of a hang; the control group (gloo, no practical timeout) carries rank
-0's messages, where the other ranks may wait as long as the server sits idle.
+The ranks meet at rank 0's TCPStore (torch.distributed's rendezvous). The process group (gloo on the
+CPU, NCCL on CUDA) carries the model's sums and gathers and times out after `timeout_s`, so a rank
+that dies or hangs mid-step ends the step with an error instead of a hang. Rank 0's messages to the
+other ranks go through the store: rank 0 posts each one without waiting for anybody (a hung rank
+cannot stall it there), and the others wait for the next one as long as the server sits idle.
 
 Sums run in a fixed order (rank 0's part first, then rank 1's, ...), the same on every rank and
 every run: each rank gathers the parts and adds them itself, so all ranks hold the same bits and a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -23,8 +25,11 @@ import torch.distributed as dist
 
 # seconds a collective of the model may wait for the other ranks before the step fails
 DEFAULT_TIMEOUT_S = 60.0
-# the control group waits for rank 0's next message for as long as the server is idle
+# the other ranks wait for rank 0's next message for as long as the server is idle
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
+# how long the ranks have to meet at start-up (each imports torch and loads its shard first; other
+# machines may start minutes apart)
+STARTUP_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,16 @@ class TensorParallelGroup:
         # NOTE: gloo picks the interface of the host name; on one machine, loopback always works
         if rendezvous.master_addr in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group(backend, init_method=rendezvous.init_method, rank=rank,
+        self.store = dist.TCPStore(rendezvous.master_addr, rendezvous.master_port,
+                                   rendezvous.world_size, is_master=rank == 0,
+                                   timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        dist.init_process_group(backend, store=self.store, rank=rank,
                                 world_size=rendezvous.world_size,
                                 timeout=datetime.timedelta(seconds=rendezvous.timeout_s))
         self.rank, self.world_size, self.device = rank, rendezvous.world_size, device
-        self.data_group = dist.group.WORLD
-        self.control_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+        # messages sent (rank 0) or received (others) so far; rank 0's still in the store
+        self._num_messages = 0
+        self._posted: list[str] = []
 
     @property
     def is_first(self) -> bool:
@@ -69,7 +78,7 @@ class TensorParallelGroup:
     def all_reduce(self, part: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's `part`, added in rank order (the same bits on every rank)."""
         parts = [torch.empty_like(part) for _ in range(self.world_size)]
-        dist.all_gather(parts, part.contiguous(), group=self.data_group)
+        dist.all_gather(parts, part.contiguous())
         total = parts[0]
         for other in parts[1:]:
             total += other
@@ -83,16 +92,32 @@ class TensorParallelGroup:
             part = torch.nn.functional.pad(part, (0, padded - part.shape[-1]))
         parts = ([torch.empty_like(part) for _ in range(self.world_size)] if self.is_first
                  else None)
-        dist.gather(part.contiguous(), parts, dst=0, group=self.data_group)
+        dist.gather(part.contiguous(), parts, dst=0)
         if not self.is_first:
             return None
         return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
 
-    def broadcast(self, message: Any = None) -> Any:
-        """Rank 0's `message` (any picklable value) on every rank."""
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.control_group)
-        return box[0]
+    def send(self, message: Any) -> None:
+        """Rank 0: post `message` (any picklable value) for every other rank; returns at once."""
+        self._num_messages += 1
+        key = f"specserve/message/{self._num_messages}"
+        self.store.set(key, pickle.dumps(message))
+        self._posted.append(key)
+
+    def receive(self) -> Any:
+        """Another rank: rank 0's next message, waiting as long as it takes (an error if rank 0
+        is gone: its store closes)."""
+        self._num_messages += 1
+        key = f"specserve/message/{self._num_messages}"
+        self.store.wait([key], _IDLE_TIMEOUT)
+        return pickle.loads(self.store.get(key))
+
+    def forget_received(self) -> None:
+        """Rank 0, after a pass every rank took part in: every rank has read the messages posted
+        before it, so the store lets them go."""
+        for key in self._posted[:-1]:
+            self.store.delete_key(key)
+        del self._posted[:-1]
 
     def close(self) -> None:
         if dist.is_initialized():

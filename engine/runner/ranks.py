@@ -98,7 +98,7 @@ def serve_rank(worker) -> None:
     """A rank other than 0: run rank 0's messages until it says stop (or is gone)."""
     group = worker.tp_group
     while True:
-        kind, payload = group.broadcast()
+        kind, payload = group.receive()
         if kind == "execute":
             worker.execute(payload)
         elif kind == "keep_rows":

@@ -159,8 +159,8 @@ class Worker:
         group, self.tp_group = self.tp_group, None
         if group is not None:
             try:
-                group.broadcast(("stop", None))
-            except RuntimeError:  # NOTE: a rank already gone; the others exit with their parent
+                group.send(("stop", None))
+            except RuntimeError:  # NOTE: the store is gone; the ranks exit with their parent
                 pass
         stop_rank_processes(self.rank_processes)
         self.rank_processes = []
@@ -217,9 +217,11 @@ class Worker:
         """The step's target pass (the scheduler's ForwardInput); logits at its logits rows (under
         tensor parallelism rank 0 sends the pass to every rank first, and only it gets logits)."""
         if self.tp_group is not None and self.rank == 0:
-            self.tp_group.broadcast(("execute", forward))
+            self.tp_group.send(("execute", forward))
         inputs = self.runner.prepare(forward.sequences)
         hidden = self.runner.run(inputs)
+        if self.tp_group is not None and self.rank == 0:
+            self.tp_group.forget_received()  # NOTE: this pass's sums needed every rank
         rows = hidden[torch.tensor(forward.logits_rows, dtype=torch.int64, device=self.device)]
         token_hidden = self.model.aux_hidden_states if self.model.aux_hidden_layers else hidden
         return ModelRunnerOutput(logits=self.runner.logits(rows), hidden=rows,
@@ -242,7 +244,7 @@ class Worker:
                 moves.append(KeptRows(request_id, item.request.num_computed_tokens, rows,
                                       self.block_manager.block_table(request_id)))
         if moves and self.tp_group is not None:
-            self.tp_group.broadcast(("keep_rows", moves))
+            self.tp_group.send(("keep_rows", moves))
         self.keep_rows(moves)
 
     @torch.inference_mode()

@@ -181,11 +181,17 @@ def test_non_finite_logits_end_their_request_alone(checkpoint, poison, temperatu
               speculative_config=NGRAM)
     expected = run(llm, prompts, params)
     victim_prompt = prompts[VICTIM]["prompt_token_ids"]
-    worker = llm.engine.worker
-    original_execute = worker.execute
+    worker, scheduler = llm.engine.worker, llm.engine.scheduler
+    original_execute, original_schedule = worker.execute, scheduler.schedule
+    planned = []  # the step's SchedulerOutput (the worker only gets its ForwardInput)
 
-    def execute(scheduled):
-        out = original_execute(scheduled)
+    def schedule():
+        planned[:] = [original_schedule()]
+        return planned[0]
+
+    def execute(forward):
+        out = original_execute(forward)
+        scheduled = planned[0]
         for index, item in enumerate(scheduled.layout.sampling):
             request = item.request
             if request.prompt_token_ids == victim_prompt and request.num_output_tokens >= 4:
@@ -194,7 +200,7 @@ def test_non_finite_logits_end_their_request_alone(checkpoint, poison, temperatu
                 out = dataclasses.replace(out, logits=logits)
         return out
 
-    worker.execute = execute
+    worker.execute, scheduler.schedule = execute, schedule
     outputs = run(llm, prompts, params)
     victim = outputs[VICTIM]
     assert victim.finish_reason == "error" and "non-finite" in victim.error

@@ -15,12 +15,12 @@ from engine.runner.sharding import ShardPlan, even_split, intermediate_unit, sha
 
 
 def arch(num_heads: int, num_kv_heads: int, **overrides) -> LlamaArch:
-    values = dict(vocab_size=101, hidden_size=num_heads * 8, intermediate_size=96, num_layers=1,
-                  num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=8, rms_norm_eps=1e-6,
-                  rope_inv_freq=(1.0,) * 4, rope_attention_scaling=1.0,
-                  max_position_embeddings=64, tie_word_embeddings=False, qkv_bias=True,
-                  sliding_window=None, eos_token_ids=(0,), bos_token_id=1)
-    return LlamaArch(**{**values, **overrides})
+    return LlamaArch(**{
+        "vocab_size": 101, "hidden_size": num_heads * 8, "intermediate_size": 96, "num_layers": 1,
+        "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": 8, "rms_norm_eps": 1e-6,
+        "rope_inv_freq": (1.0,) * 4, "rope_attention_scaling": 1.0, "max_position_embeddings": 64,
+        "tie_word_embeddings": False, "qkv_bias": True, "sliding_window": None,
+        "eos_token_ids": (0,), "bos_token_id": 1, **overrides})
 
 
 def test_even_split_keeps_units_whole_and_sizes_within_one_unit():

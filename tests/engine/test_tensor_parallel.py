@@ -42,7 +42,7 @@ def test_two_ranks_give_one_ranks_greedy_tokens(tmp_path, uneven_heads, kind, dt
     model = uneven_heads if kind == "llama" else build_tiny_checkpoint(
         tmp_path / kind, kind, seed=7, hidden_size=96, num_attention_heads=6,
         num_key_value_heads=3)
-    settings = dict(dtype=dtype, max_model_len=128, num_kv_blocks=64)
+    settings = {"dtype": dtype, "max_model_len": 128, "num_kv_blocks": 64}
     want = token_ids(generate(LLM(model, **settings)))
     sharded = LLM(model, tensor_parallel_size=2, **settings)
     try:
@@ -119,7 +119,8 @@ def test_sampling_at_two_ranks_follows_the_targets_law(uneven_heads):
     and at 1 rank come from one distribution (two-sample chi-square)."""
     num = 1500
     prompt = {"prompt_token_ids": [1, 5, 9, 13, 5, 9]}
-    settings = dict(dtype="float64", max_model_len=32, num_kv_blocks=2048, max_num_seqs=256)
+    settings = {"dtype": "float64", "max_model_len": 32, "num_kv_blocks": 2048,
+                "max_num_seqs": 256}
 
     def third_tokens(llm: LLM, seeds: range) -> list[int]:
         params = [SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, seed=s)
@@ -142,7 +143,7 @@ def test_prefix_cache_at_two_ranks(uneven_heads):
     computing it afresh, and its cached prefix counted."""
     shared = list(range(2, 40))
     first, second = [1] + shared + [50], [1] + shared + [60, 61]
-    settings = dict(dtype="float32", max_model_len=128, num_kv_blocks=64, block_size=8)
+    settings = {"dtype": "float32", "max_model_len": 128, "num_kv_blocks": 64, "block_size": 8}
     fresh = token_ids(generate(LLM(uneven_heads, enable_prefix_caching=False, **settings),
                                prompts=[second]))
     llm = LLM(uneven_heads, tensor_parallel_size=2, **settings)
