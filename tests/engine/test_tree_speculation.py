@@ -98,9 +98,9 @@ def count_moves(llm: LLM) -> list[int]:
     runner, moves = llm.engine.worker.runner, []
     keep_rows = runner.keep_rows
 
-    def counted(seq_id, start, rows):
+    def counted(seq_id, start, rows, block_table=None):
         moves.append(len(rows))
-        keep_rows(seq_id, start, rows)
+        keep_rows(seq_id, start, rows, block_table)
 
     runner.keep_rows = counted
     return moves
