@@ -31,18 +31,18 @@ def step_ms(llm: LLM, prompts: list[list[int]], max_tokens: int, repeats: int) -
                                                                                           list]:
     """Median ms per decode step (generation of max_tokens minus that of 1 token, per token), and
     the tokens."""
-    def timed(tokens: int) -> tuple[float, list[int]]:
+    def timed(prompt: list[int], tokens: int) -> tuple[float, list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         start = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": prompt, "cache_salt": str(time.time())}], params)
         return time.perf_counter() - start, out[0].outputs[0].token_ids
 
-    timed(4)  # warm-up: kernels, first allocations
+    timed(prompts[0], 4)  # warm-up: kernels, first allocations
     samples, tokens = [], []
     for _ in range(repeats):
         for prompt in prompts:
-            whole, ids = timed(max_tokens)
-            first, _ = timed(1)
+            whole, ids = timed(prompt, max_tokens)
+            first, _ = timed(prompt, 1)
             samples.append((whole - first) / (max_tokens - 1) * 1000)
             tokens.append(ids)
     return statistics.median(samples), tokens
