@@ -77,12 +77,10 @@ class LiveServer:
 
 
 
-def engine_pid(server_pid: int) -> int:
-    """The engine process of a server: its child started by multiprocessing's spawn (the other
-    child, if any, is multiprocessing's resource tracker)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def child_pids(parent_pid: int, marker: bytes) -> list[int]:
+    """The processes whose parent is `parent_pid` and whose command line holds `marker`."""
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 parent = int(f.read().rsplit(")", 1)[1].split()[1])
@@ -90,9 +88,18 @@ def engine_pid(server_pid: int) -> int:
                 command = f.read()
         except OSError:
             continue
-        if parent == server_pid and b"spawn_main" in command:
-            return int(entry)
-    raise LookupError(f"no engine process under {server_pid}")
+        if parent == parent_pid and marker in command:
+            pids.append(int(entry))
+    return pids
+
+
+def engine_pid(server_pid: int) -> int:
+    """The engine process of a server: its child started by multiprocessing's spawn (the other
+    child, if any, is multiprocessing's resource tracker)."""
+    pids = child_pids(server_pid, b"spawn_main")
+    if not pids:
+        raise LookupError(f"no engine process under {server_pid}")
+    return pids[0]
 
 
 # NOTE: a dead engine makes the server exit at once (EngineCallbacks.on_dead), so a /health probe

@@ -12,7 +12,13 @@ import sys
 import openai
 import pytest
 from engine_kill import kill_engine_under_load
-from live_server import LiveServer, assert_health_is_503, engine_pid, launcher_exiting_late
+from live_server import (
+    LiveServer,
+    assert_health_is_503,
+    child_pids,
+    engine_pid,
+    launcher_exiting_late,
+)
 from openai_errors import assert_openai_error
 from prometheus_server import find_free_port
 
@@ -27,18 +33,7 @@ DEADLINE_S = 60.0
 
 def rank_pids(engine: int) -> list[int]:
     """The tensor-parallel rank processes an engine process started."""
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read()
-        except OSError:
-            continue
-        if parent == engine and b"engine.runner.ranks" in command:
-            pids.append(int(entry))
-    return pids
+    return child_pids(engine, b"engine.runner.ranks")
 
 
 @pytest.fixture(scope="module")
