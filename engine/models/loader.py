@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,18 +52,32 @@ class Checkpoint:
     weights: dict[str, Weight]
     tokenizer: transformers.PreTrainedTokenizerBase | None  # None only for a folder without one
     source: str  # human-readable origin, for logs and /v1/models
+    # the weights read as one tensor-parallel rank's part only (`part_of` below); the rest are whole
+    partial: frozenset[str] = frozenset()
 
 
-def load_checkpoint(model: str | None, dtype: torch.dtype, packed: bool = False) -> Checkpoint:
+# which part of a Hugging Face-named weight to read: ("rows" | "columns", range), None for all of it
+WeightPart = Callable[[str], "tuple[str, range] | None"]
+
+
+def load_checkpoint(model: str | None, dtype: torch.dtype, packed: bool = False,
+                    part_of: Callable[[transformers.PretrainedConfig], WeightPart] | None = None,
+                    ) -> Checkpoint:
     """Load `--model`; None means the embedded SmolLM2-135M-Instruct. Never touches the hub.
 
     packed=True keeps 2-D weights stored as GGUF blocks (engine.models.packed_weight's
     PACKED_FORMATS) or as bf16/f16 as PackedWeight, everything else float32 (`dtype` is not used);
     packed=False gives every weight as a `dtype` tensor.
+
+    part_of: given the model's config, which part of each weight this process needs (a
+    tensor-parallel rank's, engine/runner/sharding.py). A safetensors folder is then read part by
+    part, so a rank never holds the whole model; a GGUF is read whole (its tensors are sliced
+    after). `Checkpoint.partial` names the weights read in part.
     """
     path = embedded_gguf_path() if model is None else os.path.abspath(os.path.expanduser(model))
     if os.path.isdir(path):
-        return _load_hf_folder(path, dtype, packed, source=f"Hugging Face folder {path}")
+        return _load_hf_folder(path, dtype, packed, source=f"Hugging Face folder {path}",
+                               part_of=part_of)
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -103,7 +118,9 @@ def embedded_gguf_path() -> str:
 # ---------------------------------------------------------------- Hugging Face folders
 
 
-def _load_hf_folder(path: str, dtype: torch.dtype, packed: bool, source: str) -> Checkpoint:
+def _load_hf_folder(path: str, dtype: torch.dtype, packed: bool, source: str,
+                    part_of: Callable[[transformers.PretrainedConfig], WeightPart] | None = None,
+                    ) -> Checkpoint:
     """Read config.json and every *.safetensors file (sharded or not) of a local folder."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no config.json in {path}; {_MODEL_ARG_HELP}")
@@ -114,9 +131,10 @@ def _load_hf_folder(path: str, dtype: torch.dtype, packed: bool, source: str) ->
             f"{_MODEL_ARG_HELP}"
         )
     hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    weights = _read_safetensors(shards, dtype, packed)
+    part = None if part_of is None else part_of(hf_config)
+    weights, partial = _read_safetensors(shards, dtype, packed, part)
     return Checkpoint(hf_config=hf_config, weights=weights, tokenizer=_folder_tokenizer(path),
-                      source=source)
+                      source=source, partial=frozenset(partial))
 
 
 def _folder_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase | None:
@@ -125,19 +143,30 @@ def _folder_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase | None:
     return None
 
 
-def _read_safetensors(shards: list[str], dtype: torch.dtype, packed: bool) -> dict[str, Weight]:
+def _read_safetensors(shards: list[str], dtype: torch.dtype, packed: bool,
+                      part: WeightPart | None = None) -> tuple[dict[str, Weight], list[str]]:
+    """The weights (each only in the part `part` names), and the names read in part."""
     weights: dict[str, Weight] = {}
+    partial: list[str] = []
     handles = [safe_open(shard, framework="pt") for shard in shards]
     names = [(handle, name) for handle in handles for name in handle.keys()]
     for handle, name in tqdm(names, desc="loading weights", disable=_progress_disabled()):
-        tensor = handle.get_tensor(name)
+        spec = None if part is None else part(name)
+        if spec is None:
+            tensor = handle.get_tensor(name)
+        else:
+            axis, keep = spec
+            whole = handle.get_slice(name)
+            tensor = (whole[keep.start:keep.stop] if axis == "rows"
+                      else whole[:, keep.start:keep.stop])
+            partial.append(name)
         if not packed:
             weights[name] = tensor.to(dtype)
         elif tensor.dim() == 2 and tensor.dtype in (torch.float16, torch.bfloat16):
             weights[name] = PackedWeight.from_float16(tensor)
         else:
             weights[name] = tensor.float()
-    return weights
+    return weights, partial
 
 
 def _progress_disabled() -> bool:

@@ -27,10 +27,15 @@ class VocabHeads(nn.Module):
         self.lm_head = lm_head
 
 
+def vocab_weight_names() -> tuple[str, ...]:
+    """Every name the embedding and the LM head may have in a checkpoint."""
+    return (*EMBEDDING_NAMES, LM_HEAD_NAME)
+
+
 def vocab_weights(weights: Mapping[str, torch.Tensor | PackedWeight]
                   ) -> dict[str, torch.Tensor | PackedWeight]:
     """The checkpoint's embedding (and untied LM head) tensors, under their names."""
-    return {name: weights[name] for name in (*EMBEDDING_NAMES, LM_HEAD_NAME) if name in weights}
+    return {name: weights[name] for name in vocab_weight_names() if name in weights}
 
 
 def build_vocab_heads(weights: Mapping[str, torch.Tensor | PackedWeight], dtype: torch.dtype,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -118,9 +118,9 @@ def intermediate_unit(weights: Mapping[str, Weight]) -> int:
                default=1)
 
 
-def shard_weights(weights: Mapping[str, Weight], arch: LlamaArch, plan: ShardPlan,
-                  rank: int) -> dict[str, Weight]:
-    """Rank `rank`'s part of a checkpoint's Hugging Face-named weights (norms whole)."""
+def shard_spec(name: str, arch: LlamaArch, plan: ShardPlan, rank: int) -> tuple[str, range] | None:
+    """Which part of the Hugging Face-named weight `name` rank `rank` holds: ("rows", range) or
+    ("columns", range); None for a weight every rank holds whole (norms)."""
     shard, head_dim = plan.shards[rank], arch.head_dim
     q_rows = range(shard.q_heads.start * head_dim, shard.q_heads.stop * head_dim)
     kv_rows = range(shard.kv_heads.start * head_dim, shard.kv_heads.stop * head_dim)
@@ -134,13 +134,20 @@ def shard_weights(weights: Mapping[str, Weight], arch: LlamaArch, plan: ShardPla
         "mlp.down_proj.weight": ("columns", shard.intermediate),
         "embed_tokens.weight": ("rows", shard.vocab), "lm_head.weight": ("rows", shard.vocab),
     }
+    return next((spec for suffix, spec in by_suffix.items() if name.endswith(suffix)), None)
+
+
+def shard_weights(weights: Mapping[str, Weight], arch: LlamaArch, plan: ShardPlan,
+                  rank: int, already_sharded: Collection[str] = ()) -> dict[str, Weight]:
+    """Rank `rank`'s part of a checkpoint's Hugging Face-named weights (norms whole); the weights
+    named in `already_sharded` were read as this rank's part (engine/models/loader.py)."""
     local: dict[str, Weight] = {}
     for name, weight in weights.items():
-        suffix = next((s for s in by_suffix if name.endswith(s)), None)
-        if suffix is None:
+        spec = None if name in already_sharded else shard_spec(name, arch, plan, rank)
+        if spec is None:
             local[name] = weight
             continue
-        axis, keep = by_suffix[suffix]
+        axis, keep = spec
         local[name] = _take_rows(weight, keep) if axis == "rows" else _take_columns(name, weight,
                                                                                     keep)
     return local

@@ -17,15 +17,15 @@ from engine.cpu_threads import usable_cpu_count
 from engine.kv.block_manager import BlockManager
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model, optimize_for_cpu
-from engine.models.loader import load_checkpoint
+from engine.models.loader import WeightPart, load_checkpoint
 from engine.models.memory import MemoryReport, release_freed_memory, resident_bytes
 from engine.models.packed_model import packed_bytes
-from engine.models.vocab_heads import build_vocab_heads, vocab_weights
+from engine.models.vocab_heads import build_vocab_heads, vocab_weight_names, vocab_weights
 from engine.proposers.base import TargetHandle
 from engine.runner.collectives import Rendezvous, TensorParallelGroup, free_port
 from engine.runner.paged_runner import PagedRunner
 from engine.runner.ranks import start_rank_processes, stop_rank_processes
-from engine.runner.sharding import ShardPlan, intermediate_unit, shard_weights
+from engine.runner.sharding import ShardPlan, intermediate_unit, shard_spec, shard_weights
 from engine.step.scheduler_output import SchedulerOutput
 from engine.step.types import ForwardInput, SampledTokens
 
@@ -72,7 +72,8 @@ class Worker:
         if self.tp_size > 1:
             self.tp_group = self._join_ranks(model_config, cache_config, parallel)
         self.weights_packed = model_config.keep_weights_packed
-        checkpoint = load_checkpoint(model_config.model, self.dtype, packed=self.weights_packed)
+        checkpoint = load_checkpoint(model_config.model, self.dtype, packed=self.weights_packed,
+                                     part_of=self._rank_part if self.tp_group else None)
         self.tokenizer = checkpoint.tokenizer
         # what was loaded, in words (logs and the server's start-up line)
         self.source = checkpoint.source
@@ -88,7 +89,7 @@ class Worker:
             if rank == 0:
                 self._vocab_weights = vocab_weights(checkpoint.weights)
             checkpoint = dataclasses.replace(checkpoint, weights=shard_weights(
-                checkpoint.weights, self.arch, plan, rank))
+                checkpoint.weights, self.arch, plan, rank, already_sharded=checkpoint.partial))
             local_arch, kv_heads = plan.local_arch(self.arch, rank), plan.max_kv_heads()
         self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device,
                                                       self.gpu_kernels, arch=local_arch)
@@ -116,6 +117,14 @@ class Worker:
                     "%s", self.source, self.arch.num_layers, self.dtype, self.device,
                     self.linear_backend, self.kv_spec.num_blocks, self.kv_spec.block_size,
                     self.memory.describe())
+
+    def _rank_part(self, hf_config) -> WeightPart:
+        """What this rank reads of each weight of a safetensors folder: its shard (rank 0 also
+        reads the embedding and LM head whole, for drafters)."""
+        arch = LlamaArch.from_hf_config(hf_config)
+        plan = ShardPlan.build(arch, self.tp_size)  # NOTE: 16-bit and float weights split anywhere
+        whole = set(vocab_weight_names()) if self.rank == 0 else set()
+        return lambda name: None if name in whole else shard_spec(name, arch, plan, self.rank)
 
     def _join_ranks(self, model_config: ModelConfig, cache_config: CacheConfig,
                     parallel: ParallelConfig) -> TensorParallelGroup:

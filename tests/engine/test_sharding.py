@@ -144,3 +144,21 @@ def test_a_packed_row_parallel_weight_off_the_block_grid_is_expanded_for_that_ra
     expanded = off_grid["model.layers.0.mlp.down_proj.weight"]
     assert isinstance(expanded, torch.Tensor)
     assert torch.equal(expanded, weights["model.layers.0.mlp.down_proj.weight"].dequantize()[:, 48:])
+
+
+def test_a_safetensors_folder_is_read_part_by_part(tiny_llama):
+    """A rank reads only its part of each weight (never the whole model); what it gets equals the
+    whole weight sliced, and the checkpoint says which weights it holds in part."""
+    from engine.models.loader import load_checkpoint
+
+    whole = load_checkpoint(tiny_llama, torch.float32).weights
+    parts = {"model.layers.0.self_attn.q_proj.weight": ("rows", range(16, 48)),
+             "model.layers.1.mlp.down_proj.weight": ("columns", range(64, 128))}
+    checkpoint = load_checkpoint(tiny_llama, torch.float32,
+                                 part_of=lambda hf_config: parts.get)
+    assert checkpoint.partial == frozenset(parts)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    down = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(checkpoint.weights[q], whole[q][16:48])
+    assert torch.equal(checkpoint.weights[down], whole[down][:, 64:128])
+    assert torch.equal(checkpoint.weights["lm_head.weight"], whole["lm_head.weight"])
