@@ -37,11 +37,31 @@ def rank_pids(engine: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def one_rank_texts() -> list[str]:
-    """The embedded model on one rank, in this process (the default: packed weights)."""
+def one_rank():
+    """The embedded model on one rank, in this process (the default: packed weights): its outputs,
+    with the top-2 logprobs of every token, and its tokenizer."""
     llm = LLM(None, num_threads=2)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    return [o.outputs[0] for o in llm.generate(PROMPTS, params)], llm.tokenizer
+
+
+def assert_same_text(texts: list[str], one_rank) -> None:
+    """Equal to one rank's text; where not, the message gives one rank's top-2 logprob gap at the
+    first token that differs (a near-tie flipped by the sums' rounding is a small gap; a bug is
+    not)."""
+    outputs, tokenizer = one_rank
+    for text, output in zip(texts, outputs):
+        if text == output.text:
+            continue
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        at = next((i for i, (a, b) in enumerate(zip(ids, output.token_ids)) if a != b),
+                  min(len(ids), len(output.token_ids)))
+        gap = None
+        if at < len(output.logprobs):
+            top = output.logprobs[at].top
+            gap = top[0][1] - top[1][1] if len(top) > 1 else None
+        raise AssertionError(f"2 ranks: {text!r}\n1 rank:  {output.text!r}\nfirst differing "
+                             f"token {at}; one rank's top-2 logprob gap there: {gap}")
 
 
 def completions(server: LiveServer, speculate: bool = True) -> list[str]:
@@ -55,15 +75,15 @@ def completions(server: LiveServer, speculate: bool = True) -> list[str]:
             for prompt in PROMPTS]
 
 
-def test_embedded_model_on_two_ranks_gives_one_ranks_text(one_rank_texts):
+def test_embedded_model_on_two_ranks_gives_one_ranks_text(one_rank):
     """The serve default (adaptive suffix decoding, drafting on rank 0) and requests that turn
     speculation off; n-gram, trees and the model drafters at two ranks: tests/engine/
     test_tensor_parallel.py, on tiny models."""
     with LiveServer(["--tensor-parallel-size", "2", "--max-model-len", "512",
                      "--kv-cache-memory-gib", "0.1"]) as server:
         assert "tensor-parallel rank 1 of 2" in server.output()
-        assert completions(server) == one_rank_texts
-        assert completions(server, speculate=False) == one_rank_texts
+        assert_same_text(completions(server), one_rank)
+        assert_same_text(completions(server, speculate=False), one_rank)
 
 
 def test_a_rank_killed_mid_generation_fails_every_request_and_the_server(tiny_chat_llama):
