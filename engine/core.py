@@ -27,6 +27,9 @@ from engine.step.scheduler_output import SchedulerOutput
 from engine.step.types import RequestUpdate, SampledTokens, ScheduledRequest, StepResult
 from engine.structured import CompiledGrammar, GrammarCompiler, GrammarState
 
+# the proposers that read the target's embedding and LM head (the draft model has its own)
+VOCAB_READING_METHODS = ("eagle", "eagle3", "mlp_speculator")
+
 
 @dataclass
 class EngineTotals:
@@ -51,7 +54,9 @@ class EngineCore:
                  scheduler_config: SchedulerConfig,
                  speculative_config: SpeculativeConfig | None = None,
                  parallel_config: ParallelConfig | None = None) -> None:
-        self.worker = Worker(model_config, cache_config, parallel_config)
+        self.worker = Worker(model_config, cache_config, parallel_config,
+                             drafters_read_vocab=speculative_config is not None
+                             and speculative_config.method in VOCAB_READING_METHODS)
         self.scheduler = Scheduler(scheduler_config, self.worker.kv_spec, self.worker.device,
                                    self.worker.block_manager)
         self.sampler = RejectionSampler()

@@ -24,7 +24,9 @@ class TargetHandle:
     alike, so a request that fits the target fits the drafter)."""
 
     arch: LlamaArch
-    model: nn.Module
+    # the target, or under tensor parallelism its whole embedding and LM head (engine/models/
+    # vocab_heads.py), None there when the engine was told no drafter reads them
+    model: nn.Module | None
     dtype: torch.dtype
     device: torch.device
     num_blocks: int

@@ -17,7 +17,7 @@ from engine.cpu_threads import usable_cpu_count
 from engine.kv.block_manager import BlockManager
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model, optimize_for_cpu
-from engine.models.loader import WeightPart, load_checkpoint
+from engine.models.loader import Checkpoint, WeightPart, load_checkpoint
 from engine.models.memory import MemoryReport, release_freed_memory, resident_bytes
 from engine.models.packed_model import packed_bytes
 from engine.models.vocab_heads import build_vocab_heads, vocab_weight_names, vocab_weights
@@ -51,9 +51,13 @@ class Worker:
     rank (engine/runner/ranks.py), and the others run those passes on their shards."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 parallel_config: ParallelConfig | None = None, rank: int = 0) -> None:
+                 parallel_config: ParallelConfig | None = None, rank: int = 0,
+                 drafters_read_vocab: bool = False) -> None:
+        """`drafters_read_vocab`: a drafter will read the target's embedding and LM head
+        (EAGLE, the MLP speculator): under tensor parallelism rank 0 then keeps them whole too."""
         parallel = parallel_config or ParallelConfig()
         self.rank, self.tp_size = rank, parallel.tensor_parallel_size
+        self.keeps_whole_vocab = rank == 0 and self.tp_size > 1 and drafters_read_vocab
         self.device = model_config.torch_device
         if self.device.type == "cuda" and self.tp_size > 1:
             self.device = torch.device("cuda", rank % parallel.ranks_per_node)
@@ -81,15 +85,11 @@ class Worker:
         # the whole model's numbers (the vocabulary the sampler sees); `local_arch`: this rank's
         self.arch = LlamaArch.from_hf_config(checkpoint.hf_config)
         self.gpu_kernels = model_config.gpu_kernels
-        # rank 0 under tensor parallelism: the embedding and LM head whole, for drafters
+        # the embedding and LM head whole, for drafters (keeps_whole_vocab), until they take them
         self._vocab_weights: dict | None = None
-        local_arch, kv_heads = self.arch, self.arch.num_kv_heads
+        local_arch, kv_heads, plan = self.arch, self.arch.num_kv_heads, None
         if self.tp_group is not None:
-            plan = ShardPlan.build(self.arch, self.tp_size, intermediate_unit(checkpoint.weights))
-            if rank == 0:
-                self._vocab_weights = vocab_weights(checkpoint.weights)
-            checkpoint = dataclasses.replace(checkpoint, weights=shard_weights(
-                checkpoint.weights, self.arch, plan, rank, already_sharded=checkpoint.partial))
+            checkpoint, plan = self._keep_this_ranks_share(checkpoint)
             local_arch, kv_heads = plan.local_arch(self.arch, rank), plan.max_kv_heads()
         self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device,
                                                       self.gpu_kernels, arch=local_arch)
@@ -118,12 +118,22 @@ class Worker:
                     self.linear_backend, self.kv_spec.num_blocks, self.kv_spec.block_size,
                     self.memory.describe())
 
+    def _keep_this_ranks_share(self, checkpoint: Checkpoint) -> tuple[Checkpoint, ShardPlan]:
+        """This rank's shard of every weight, and the split (the tables drafters read are first
+        set aside whole, where they do)."""
+        plan = ShardPlan.build(self.arch, self.tp_size, intermediate_unit(checkpoint.weights))
+        if self.keeps_whole_vocab:
+            self._vocab_weights = vocab_weights(checkpoint.weights)
+        return dataclasses.replace(checkpoint, weights=shard_weights(
+            checkpoint.weights, self.arch, plan, self.rank,
+            already_sharded=checkpoint.partial)), plan
+
     def _rank_part(self, hf_config) -> WeightPart:
-        """What this rank reads of each weight of a safetensors folder: its shard (rank 0 also
-        reads the embedding and LM head whole, for drafters)."""
+        """What this rank reads of each weight of a safetensors folder: its shard (and the
+        embedding and LM head whole where drafters read them)."""
         arch = LlamaArch.from_hf_config(hf_config)
         plan = ShardPlan.build(arch, self.tp_size)  # NOTE: 16-bit and float weights split anywhere
-        whole = set(vocab_weight_names()) if self.rank == 0 else set()
+        whole = set(vocab_weight_names()) if self.keeps_whole_vocab else set()
         return lambda name: None if name in whole else shard_spec(name, arch, plan, self.rank)
 
     def _join_ranks(self, model_config: ModelConfig, cache_config: CacheConfig,
@@ -215,8 +225,11 @@ class Worker:
         """What drafters may use of the target (engine/proposers/base.py)."""
         model = self.model
         if self.tp_group is not None:  # drafters run on rank 0, beside the shards: whole tables
-            model = build_vocab_heads(self._vocab_weights, self.dtype, self.device)
-            optimize_for_cpu(model, self.dtype, self.device)
+            model = None
+            if self._vocab_weights is not None:
+                model = build_vocab_heads(self._vocab_weights, self.dtype, self.device)
+                optimize_for_cpu(model, self.dtype, self.device)
+                self._vocab_weights = None  # NOTE: the heads hold these tensors now
         return TargetHandle(self.arch, model, self.dtype, self.device,
                             self.kv_spec.num_blocks, self.kv_spec.block_size,
                             weights_packed=self.weights_packed)
