@@ -140,7 +140,7 @@ class EngineCore:
             return StepResult()
         num_prompt_tokens = _num_prompt_tokens(scheduled)
         pass_start = time.perf_counter()
-        out = self.worker.execute(scheduled.forward)
+        out = self.worker.execute(scheduled.forward, scheduled.layout.logits_indices)
         sampled = sample_isolated(self.sampler, out.logits, scheduled.layout)
         if scheduled.layout.draft_parents is not None:
             self.worker.keep_accepted_paths(scheduled, sampled)

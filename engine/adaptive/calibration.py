@@ -56,7 +56,7 @@ def _time_verification(worker: Worker, block_manager: BlockManager, sampler: Rej
                            layout.logits_rows)
     try:
         start = time.perf_counter()
-        out = worker.execute(forward)
+        out = worker.execute(forward, layout.logits_indices)
         sampler(out.logits, layout)
         return time.perf_counter() - start
     finally:

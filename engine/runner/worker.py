@@ -235,16 +235,21 @@ class Worker:
                             weights_packed=self.weights_packed)
 
     @torch.inference_mode()
-    def execute(self, forward: ForwardInput) -> ModelRunnerOutput:
+    def execute(self, forward: ForwardInput,
+                logits_indices: torch.Tensor | None = None) -> ModelRunnerOutput:
         """The step's target pass (the scheduler's ForwardInput); logits at its logits rows (under
-        tensor parallelism rank 0 sends the pass to every rank first, and only it gets logits)."""
+        tensor parallelism rank 0 sends the pass to every rank first, and only it gets logits).
+        `logits_indices`: those rows already on the device (the step layout's), else made here."""
         if self.tp_group is not None and self.rank == 0:
             self.tp_group.send(("execute", forward))
         inputs = self.runner.prepare(forward.sequences)
         hidden = self.runner.run(inputs)
         if self.tp_group is not None and self.rank == 0:
             self.tp_group.forget_received()  # NOTE: this pass's sums needed every rank
-        rows = hidden[torch.tensor(forward.logits_rows, dtype=torch.int64, device=self.device)]
+        if logits_indices is None:
+            logits_indices = torch.tensor(forward.logits_rows, dtype=torch.int64,
+                                          device=self.device)
+        rows = hidden[logits_indices]
         token_hidden = self.model.aux_hidden_states if self.model.aux_hidden_layers else hidden
         return ModelRunnerOutput(logits=self.runner.logits(rows), hidden=rows,
                                  token_hidden=token_hidden)

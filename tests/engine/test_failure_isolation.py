@@ -189,8 +189,8 @@ def test_non_finite_logits_end_their_request_alone(checkpoint, poison, temperatu
         planned[:] = [original_schedule()]
         return planned[0]
 
-    def execute(forward):
-        out = original_execute(forward)
+    def execute(forward, logits_indices=None):
+        out = original_execute(forward, logits_indices)
         scheduled = planned[0]
         for index, item in enumerate(scheduled.layout.sampling):
             request = item.request
