@@ -1,6 +1,7 @@
-"""One streamed request, timed on the client: time to the first text, the gap before every later
-text chunk, and the end. Usage from the final chunk (`stream_options.include_usage`) gives exact
-token counts.
+"""One streamed request, timed on the client: time to the first output (text or a tool-call
+piece), the gap before every later output chunk, and the end. Usage from the final chunk
+(`stream_options.include_usage`) gives exact token counts; specserve's per-request speculation
+extra (`metrics.speculative_decoding`) rides on the same chunk.
 
 NOTE: under speculation one SSE chunk may carry several tokens (all those a verification step
 accepted), so ITL here is the gap between chunks, as `vllm bench serve` measures it; TPOT spreads
@@ -18,6 +19,7 @@ import httpx
 
 from loadtest.datasets import LoadRequest
 from loadtest.target import Endpoint
+from loadtest.tool_calls import ToolCallAssembler
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,17 @@ class RequestOutcome:
     status_code: int | None = None    # HTTP status, None when no response came back
     error: str = ""                   # "" on success
     input_len: int = 0                # prompt tokens (usage), 0 when unknown
-    output_len: int = 0               # completion tokens (usage; text chunks when no usage)
-    ttft: float = 0.0                 # to the first non-empty text; the latency if none came
-    itls: list[float] = field(default_factory=list)  # gaps between later text chunks
+    output_len: int = 0               # completion tokens (usage; output chunks when no usage)
+    ttft: float = 0.0                 # to the first text or tool-call piece; the latency if none
+    itls: list[float] = field(default_factory=list)  # gaps between later output chunks
     latency: float = 0.0              # end to end, to the [DONE] event
     generated_text: str = ""
+    # the whole calls of the first choice, as an assistant message's `tool_calls`
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None  # of the first choice: "stop", "length", "tool_calls", ...
+    # the server's `metrics.speculative_decoding` (num_spec_steps, num_accepted_draft_tokens, ...)
+    # from the last chunk carrying it; None when the server sends no such extra
+    spec_decoding: dict[str, Any] | None = None
 
 
 def request_body(request: LoadRequest, endpoint: Endpoint, sampling: SamplingOptions) -> dict:
@@ -66,13 +74,16 @@ def request_body(request: LoadRequest, endpoint: Endpoint, sampling: SamplingOpt
     return body
 
 
-def _chunk_text(event: dict, api: str) -> str:
-    choices = event.get("choices") or []
-    if not choices:
-        return ""
+def _first_choice(event: dict) -> dict:
+    """The chunk's piece of choice 0 ({} when it carries none, as the usage chunk does)."""
+    return next((choice for choice in event.get("choices") or [] if choice.get("index", 0) == 0),
+                {})
+
+
+def _chunk_text(choice: dict, api: str) -> str:
     if api == "chat":
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
 
 
 def _error_message(status_code: int, body: bytes) -> str:
@@ -90,8 +101,9 @@ async def send_streaming(client: httpx.AsyncClient, endpoint: Endpoint, body: di
     failed outcome; only cancellation propagates."""
     sent_at = time.perf_counter()
     outcome = RequestOutcome(is_success=False, start_time=sent_at - run_start)
-    text_times: list[float] = []
+    output_times: list[float] = []
     texts: list[str] = []
+    tool_calls = ToolCallAssembler()
     usage: dict | None = None
     is_done = False
     try:
@@ -112,11 +124,17 @@ async def send_streaming(client: httpx.AsyncClient, endpoint: Endpoint, body: di
                 if "error" in event:  # the server failed the request mid-stream
                     outcome.error = f"stream error: {event['error'].get('message', event)}"
                     return outcome
-                text = _chunk_text(event, endpoint.api)
-                if text:
-                    text_times.append(time.perf_counter())
-                    texts.append(text)
+                choice = _first_choice(event)
+                text = _chunk_text(choice, endpoint.api)
+                call_deltas = (choice.get("delta") or {}).get("tool_calls") or []
+                if text or call_deltas:
+                    output_times.append(time.perf_counter())
+                texts.append(text)
+                tool_calls.add(call_deltas)
+                outcome.finish_reason = choice.get("finish_reason") or outcome.finish_reason
                 usage = event.get("usage") or usage
+                outcome.spec_decoding = ((event.get("metrics") or {}).get("speculative_decoding")
+                                         or outcome.spec_decoding)
     except Exception as error:  # one bad response must not end the run
         outcome.error = f"{type(error).__name__}: {error}"
         return outcome
@@ -126,9 +144,10 @@ async def send_streaming(client: httpx.AsyncClient, endpoint: Endpoint, body: di
         return outcome
     outcome.is_success = True
     outcome.latency = finished_at - sent_at
-    outcome.ttft = (text_times[0] if text_times else finished_at) - sent_at
-    outcome.itls = [later - earlier for earlier, later in zip(text_times, text_times[1:])]
+    outcome.ttft = (output_times[0] if output_times else finished_at) - sent_at
+    outcome.itls = [later - earlier for earlier, later in zip(output_times, output_times[1:])]
     outcome.generated_text = "".join(texts)
+    outcome.tool_calls = tool_calls.tool_calls()
     outcome.input_len = int((usage or {}).get("prompt_tokens") or 0)
-    outcome.output_len = int((usage or {}).get("completion_tokens") or len(texts))
+    outcome.output_len = int((usage or {}).get("completion_tokens") or len(output_times))
     return outcome

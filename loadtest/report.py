@@ -80,7 +80,7 @@ def build_run_result(settings: dict[str, Any], run: RunOutcome, spec: SpecCounte
     result.update(
         duration=run.duration, sent=run.num_sent, completed=len(done), failed=len(failed),
         cancelled=sum(outcome.error.startswith(CANCELLED_ERROR) for outcome in failed),
-        error_counts=dict(Counter(_error_kind(outcome.error) for outcome in failed)),
+        error_counts=dict(Counter(error_kind(outcome.error) for outcome in failed)),
         total_input_tokens=total_input, total_output_tokens=total_output,
         request_throughput=per_second(len(done)), output_throughput=per_second(total_output),
         total_token_throughput=per_second(total_input + total_output),
@@ -102,7 +102,8 @@ def build_run_result(settings: dict[str, Any], run: RunOutcome, spec: SpecCounte
     return result
 
 
-def _error_kind(error: str) -> str:
+def error_kind(error: str) -> str:
+    """The class of a failure that error counts group by: "HTTP 429", "cancelled", ..."""
     if error.startswith(CANCELLED_ERROR):
         return "cancelled"
     if error.startswith("HTTP "):

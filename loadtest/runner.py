@@ -44,14 +44,19 @@ def run_load(endpoint: Endpoint, bodies: list[dict], bounds: RunBounds,
     return asyncio.run(_run_load(endpoint, bodies, bounds, transport))
 
 
+def load_client(transport: httpx.AsyncBaseTransport | None) -> httpx.AsyncClient:
+    """An HTTP client for a bounded run: no connection cap and no read timeout, because the run's
+    duration limit is what ends a slow request."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None)
+    return httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport)
+
+
 async def _run_load(endpoint: Endpoint, bodies: list[dict], bounds: RunBounds,
                     transport: httpx.AsyncBaseTransport | None) -> RunOutcome:
     if bounds.duration_s <= 0:
         raise ValueError(f"the duration limit must be > 0 s, got {bounds.duration_s}")
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    # no read timeout: the duration limit is what ends a slow request
-    timeout = httpx.Timeout(connect=10.0, read=None, write=10.0, pool=None)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, transport=transport) as client:
+    async with load_client(transport) as client:
         start = time.perf_counter()
         deadline = start + bounds.duration_s
         slots = asyncio.Semaphore(bounds.max_concurrency) if bounds.max_concurrency else None
