@@ -16,6 +16,7 @@ from pydantic import (
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_validator,
 )
 
 from engine.sampling_params import (
@@ -29,6 +30,8 @@ from engine.sampling_params import (
     SamplingParams,
 )
 from engine.structured import ResponseFormat, parse_response_format
+from server.tools.parsed_calls import FUNCTION_NAME
+from server.tools.tool_request import FunctionSpec, ToolChoice, parse_tool_choice, parse_tools
 
 # NOTE: token ids get no upper bound here; the server checks them against the vocabulary
 TokenId = Annotated[int, Field(ge=0)]
@@ -50,6 +53,9 @@ MAX_CHOICES_PER_REQUEST = 256
 MAX_MESSAGES = 2048
 # model, user and message names: identifiers, not text
 MAX_NAME_CHARS = 256
+# calls in one assistant message of the history, and the JSON text of one call's arguments
+MAX_TOOL_CALLS = 128
+MAX_ARGUMENTS_CHARS = 1_000_000
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
 
 
@@ -74,6 +80,12 @@ class StreamOptions(BaseModel):
 
     # send one last chunk with `usage` (and `choices: []`) before [DONE]
     include_usage: bool = False
+
+
+def _deprecated(value: Any, neutral: Any, replacement: str) -> Any:
+    if value is not None and value != neutral:
+        raise ValueError(f"deprecated by OpenAI and not supported; use {replacement}")
+    return value
 
 
 def _not_implemented(value: Any, *neutral: Any) -> Any:
@@ -173,8 +185,11 @@ class _GenerationRequest(BaseModel):
         """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int, logprobs: int | None,
+                         grammar: ResponseFormat | None = None) -> SamplingParams:
+        """`grammar`: the server's own (a tool call's) in place of the request's response_format."""
         spec = self.speculative_decoding
+        grammar = grammar or self.response_format
         given = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -189,7 +204,7 @@ class _GenerationRequest(BaseModel):
             "min_p": self.min_p,
             "logit_bias": None if self.logit_bias is None else {
                 int(key): value for key, value in self.logit_bias.items()},
-            "response_format": None if self.response_format is None else self.response_format.key,
+            "response_format": None if grammar is None else grammar.key,
         }
         # NOTE: unset fields fall back to SamplingParams' defaults, the one place defaults live
         kwargs = {name: value for name, value in given.items() if value is not None}
@@ -257,6 +272,24 @@ class CompletionRequest(_GenerationRequest):
         return self._sampling_params(max_tokens, self.logprobs)
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME.pattern)]
+    # JSON text, as the model's response gave it
+    arguments: Annotated[str, Field(max_length=MAX_ARGUMENTS_CHARS)]
+
+
+class AssistantToolCall(BaseModel):
+    """A call an earlier assistant turn made, sent back in the history."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    id: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     """One message; `content` is always plain text once validated (text parts joined by newlines)."""
 
@@ -266,6 +299,9 @@ class ChatMessage(BaseModel):
     # None only for an assistant message (OpenAI allows it when the message carried tool calls)
     content: str | None = Field(default=None, validate_default=True)
     name: Name | None = None
+    # an assistant message's calls; a tool message's answer to one of them
+    tool_calls: Annotated[list[AssistantToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -292,6 +328,17 @@ class ChatMessage(BaseModel):
             raise ValueError("required (only an assistant message may have null content)")
         return content
 
+    @model_validator(mode="after")
+    def _tool_fields_match_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("tool_calls: only an assistant message carries tool calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: required in a tool message (the id of the call it "
+                             "answers)")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id: only a tool message answers a call")
+        return self
+
 
 class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
@@ -303,21 +350,52 @@ class ChatCompletionRequest(_GenerationRequest):
     # NOTE: logprobs comes before top_logprobs: the latter's validator reads it
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    # not implemented: 400 unless neutral (tool calls are not planned)
+    # function calling (server/tools/). NOTE: tools comes before tool_choice: the latter's
+    # validator reads it
     tools: Any = None
-    tool_choice: Any = None
+    tool_choice: Any = Field(default=None, validate_default=True)
+    parallel_tool_calls: bool = True
+    # OpenAI's deprecated forms of tools and tool_choice: 400 unless neutral
     functions: Any = None
     function_call: Any = None
 
-    @field_validator("tools", "functions")
+    @field_validator("tools")
     @classmethod
-    def _no_tools(cls, tools: Any) -> Any:
-        return _not_implemented(tools, [])
+    def _tools_are_functions(cls, tools: Any) -> tuple[FunctionSpec, ...] | None:
+        return parse_tools(tools)
 
-    @field_validator("tool_choice", "function_call")
+    @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, tool_choice: Any) -> Any:
-        return _not_implemented(tool_choice, "none", "auto")
+    def _tool_choice_names_a_tool(cls, tool_choice: Any, info: ValidationInfo) -> ToolChoice:
+        if "tools" not in info.data:  # tools itself was invalid; its error is enough
+            return ToolChoice("none")
+        return parse_tool_choice(tool_choice, info.data["tools"])
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, functions: Any) -> Any:
+        return _deprecated(functions, [], "tools")
+
+    @field_validator("function_call")
+    @classmethod
+    def _no_function_call(cls, function_call: Any) -> Any:
+        return _deprecated(function_call, "none", "tool_choice")
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_messages_answer_calls(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        """Each tool message answers a call of the assistant message before it (OpenAI's rule)."""
+        open_calls: set[str] = set()
+        for index, message in enumerate(messages):
+            if message.role == "assistant":
+                open_calls = {call.id for call in message.tool_calls or ()}
+            elif message.role == "tool":
+                if message.tool_call_id not in open_calls:
+                    raise ValueError(f"messages[{index}].tool_call_id {message.tool_call_id!r} "
+                                     "answers no call of the assistant message before it")
+            else:
+                open_calls = set()
+        return messages
 
     @field_validator("top_logprobs")
     @classmethod
@@ -331,14 +409,15 @@ class ChatCompletionRequest(_GenerationRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages for a Hugging Face chat template, which knows `system` but rarely `developer`."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-                for m in self.messages]
+    @property
+    def functions_offered(self) -> tuple[FunctionSpec, ...]:
+        return self.tools or ()
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """`default_max_tokens` (the room left in the context) applies when no max is given."""
+    def to_sampling_params(self, default_max_tokens: int,
+                           grammar: ResponseFormat | None = None) -> SamplingParams:
+        """`default_max_tokens` (the room left in the context) applies when no max is given;
+        `grammar` forces tool calls (server/tools/forced_calls.py)."""
         max_tokens = self.requested_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._sampling_params(default_max_tokens if max_tokens is None else max_tokens,
-                                     logprobs)
+                                     logprobs, grammar)

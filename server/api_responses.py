@@ -22,7 +22,7 @@ from pydantic import (
 from engine.spec_stats import SpecStats
 
 # "abort" is not OpenAI's, but vLLM sends it when the server cancels a request (e.g. on shutdown)
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort"]
 # OpenAI's documented "very unlikely" value; -inf is not valid JSON
 MIN_LOGPROB = -9999.0
 
@@ -191,9 +191,43 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class ChatResponseMessage(BaseModel):
+class FunctionCall(BaseModel):
+    name: str
+    # JSON text of the arguments object
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatResponseMessage(_ResponseModel):
+    omitted_when_none = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class FunctionCallDelta(_ResponseModel):
+    omitted_when_none = frozenset({"name", "arguments"})
+
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_ResponseModel):
+    """A call's first chunk carries its id, type and name (arguments ""); later ones pieces of its
+    arguments, as OpenAI streams them."""
+
+    omitted_when_none = frozenset({"id", "type"})
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatCompletionChoice(BaseModel):
@@ -218,10 +252,11 @@ class ChatCompletionResponse(_ResponseModel):
 class DeltaMessage(_ResponseModel):
     """The first chunk of a choice carries the role, later ones only content, the last one neither."""
 
-    omitted_when_none = frozenset({"role", "content"})
+    omitted_when_none = frozenset({"role", "content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatCompletionStreamChoice(BaseModel):

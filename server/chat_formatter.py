@@ -17,22 +17,34 @@ from server.api_responses import (
     ResponseMetrics,
     TopLogprob,
 )
-from server.generation import ChoicePiece, Generation
+from server.generation import Choice, ChoicePiece, Generation
 from server.response_formatter import ResponseFormatter
+from server.tools.call_reader import ToolCallReader, ToolCallStream
 
 
 class ChatFormatter(ResponseFormatter):
-    def __init__(self, tokenizer: Any, model_name: str) -> None:
+    def __init__(self, tokenizer: Any, model_name: str,
+                 tool_calls: ToolCallReader | None = None) -> None:
+        """`tool_calls`: how to read calls out of the text; None when the request may make none."""
         super().__init__(tokenizer, model_name, "chatcmpl")
+        self.tool_calls = tool_calls
+        self._streams: dict[int, ToolCallStream] = {}
 
     def response(self, generation: Generation) -> ChatCompletionResponse:
         return ChatCompletionResponse(
             id=self.response_id, created=self.created, model=self.model_name,
-            choices=[ChatCompletionChoice(
-                index=c.index, message=ChatResponseMessage(content=c.tracker.text),
-                logprobs=self._logprobs(c.tracker.logprobs), finish_reason=c.tracker.finish_reason)
-                for c in generation.choices],
+            choices=[self._choice(c) for c in generation.choices],
             usage=self.usage(generation), metrics=self.metrics(generation))
+
+    def _choice(self, choice: Choice) -> ChatCompletionChoice:
+        text, finish_reason = choice.tracker.text, choice.tracker.finish_reason
+        message = ChatResponseMessage(content=text)
+        if self.tool_calls is not None:
+            content, calls, finish_reason = self.tool_calls.message(text, finish_reason)
+            message = ChatResponseMessage(content=content, tool_calls=calls)
+        return ChatCompletionChoice(index=choice.index, message=message,
+                                    logprobs=self._logprobs(choice.tracker.logprobs),
+                                    finish_reason=finish_reason)
 
     def opening_chunks(self, generation: Generation) -> list[ChatCompletionStreamResponse]:
         """Each choice's first chunk carries the role, as OpenAI's do."""
@@ -40,13 +52,32 @@ class ChatFormatter(ResponseFormatter):
             index=c.index, delta=DeltaMessage(role="assistant", content=""))])
             for c in generation.choices]
 
-    def piece_chunk(self, piece: ChoicePiece,
-                    metrics: ResponseMetrics | None) -> ChatCompletionStreamResponse:
-        logprobs = piece.piece.logprobs
-        return self._chunk([ChatCompletionStreamChoice(
-            index=piece.index, delta=DeltaMessage(content=piece.piece.text or None),
-            logprobs=self._logprobs(logprobs) if logprobs else None,
-            finish_reason=piece.piece.finish_reason)], metrics=metrics)
+    def piece_chunks(self, piece: ChoicePiece,
+                     metrics: ResponseMetrics | None) -> list[ChatCompletionStreamResponse]:
+        """One chunk a piece; with tools, one more for each call begun or added to, as OpenAI
+        sends a call's name and its arguments in chunks of their own. The last chunk carries the
+        piece's logprobs and finish reason; a piece whose text is all held back sends nothing
+        unless it has those to carry."""
+        logprobs = self._logprobs(piece.piece.logprobs) if piece.piece.logprobs else None
+        content, finish_reason = piece.piece.text or None, piece.piece.finish_reason
+        deltas: list[DeltaMessage] = []
+        if self.tool_calls is None:
+            deltas.append(DeltaMessage(content=content))
+        else:
+            stream = self._streams.setdefault(piece.index, ToolCallStream(self.tool_calls))
+            new_content, call_deltas, finish_reason = stream.feed(piece.piece.text,
+                                                                  finish_reason)
+            if new_content:
+                deltas.append(DeltaMessage(content=new_content))
+            deltas += [DeltaMessage(tool_calls=[delta]) for delta in call_deltas]
+            if not deltas and (logprobs or finish_reason is not None or metrics is not None):
+                deltas.append(DeltaMessage())
+        return [self._chunk([ChatCompletionStreamChoice(
+            index=piece.index, delta=delta,
+            logprobs=logprobs if is_last else None,
+            finish_reason=finish_reason if is_last else None)],
+            metrics=metrics if is_last else None)
+            for delta, is_last in zip(deltas, [False] * (len(deltas) - 1) + [True])]
 
     def usage_chunk(self, generation: Generation) -> ChatCompletionStreamResponse:
         return self._chunk([], usage=self.usage(generation), metrics=self.metrics(generation))

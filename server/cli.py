@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve_parser(commands) -> None:
     from engine.spec_config import DEFAULT_SERVE_SPECULATIVE_CONFIG
+    from server.tools.conventions import PARSERS
 
     serve = commands.add_parser("serve", help="serve the OpenAI API (default: the embedded model)")
     serve.add_argument("--model", default=None,
@@ -94,6 +95,9 @@ def _add_serve_parser(commands) -> None:
                        help="open HTTP connections beyond this get 503 and are closed")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                       help="how tool calls are written and parsed (default: from the chat "
+                            "template; hermes for a template that knows no tools)")
     parallel = serve.add_argument_group(
         "tensor parallelism", "the model split over ranks, one process (one GPU) each; across "
         "machines, every node runs this command with its --node-rank, node 0 the server")
@@ -155,7 +159,8 @@ def run_serve(args: argparse.Namespace) -> int:
                              served_model_name=args.served_model_name,
                              max_waiting_requests=args.max_waiting_requests,
                              drain_timeout=args.drain_timeout, log_level=args.log_level,
-                             max_body_bytes=int(args.max_body_mib * 2**20))
+                             max_body_bytes=int(args.max_body_mib * 2**20),
+                             tool_call_parser=args.tool_call_parser)
     return asyncio.run(serve(engine_args, server_args))
 
 

@@ -39,15 +39,15 @@ class CompletionFormatter(ResponseFormatter):
         return [self._chunk([CompletionChoice(index=c.index, text=self.echo[c.index // self.n])])
                 for c in generation.choices if self.echo[c.index // self.n]]
 
-    def piece_chunk(self, piece: ChoicePiece,
-                    metrics: ResponseMetrics | None) -> CompletionStreamResponse:
+    def piece_chunks(self, piece: ChoicePiece,
+                     metrics: ResponseMetrics | None) -> list[CompletionStreamResponse]:
         logprobs = None
         if piece.piece.logprobs:
             logprobs = self._logprobs(piece.piece.logprobs, self._text_offsets.get(piece.index, 0))
             self._text_offsets[piece.index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-        return self._chunk([CompletionChoice(
+        return [self._chunk([CompletionChoice(
             index=piece.index, text=piece.piece.text, logprobs=logprobs,
-            finish_reason=piece.piece.finish_reason)], metrics=metrics)
+            finish_reason=piece.piece.finish_reason)], metrics=metrics)]
 
     def usage_chunk(self, generation: Generation) -> CompletionStreamResponse:
         return self._chunk([], usage=self.usage(generation), metrics=self.metrics(generation))

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from engine.sampling_params import SamplingParams
-from engine.structured import ResponseFormatError, check_grammar_support
+from engine.structured import ResponseFormat, ResponseFormatError, check_grammar_support
 from server.api_requests import ChatCompletionRequest, CompletionRequest
 from server.chat_formatter import ChatFormatter
 from server.completion_formatter import CompletionFormatter
@@ -24,13 +24,20 @@ from server.errors import ApiError
 from server.generation import Generation, WaitingRequests
 from server.metrics import ServerMetrics
 from server.prompt_limits import max_prompt_chars
+from server.tools.call_reader import ToolCallReader
+from server.tools.conventions import tool_convention
+from server.tools.conversation import template_inputs
+from server.tools.forced_calls import UnenforceableToolError, check_enforceable, forced_call_format
 
 Formatter = CompletionFormatter | ChatFormatter
 
 
 class OpenAIServing:
     def __init__(self, client: EngineClient, tokenizer: Any, served_model_name: str,
-                 metrics: ServerMetrics, max_waiting_requests: int) -> None:
+                 metrics: ServerMetrics, max_waiting_requests: int,
+                 tool_call_parser: str | None = None) -> None:
+        """`tool_call_parser`: the tool-call convention (server/tools/conventions.py); None = the
+        chat template's."""
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -42,6 +49,7 @@ class OpenAIServing:
         # NOTE: a text longer than this cannot fit the context, whatever its tokens: refused
         # before tokenizing, so a 15 MiB prompt costs nothing (server/prompt_limits.py)
         self.max_prompt_chars = max_prompt_chars(tokenizer, self.max_model_len)
+        self.tool_convention = tool_convention(tokenizer, tool_call_parser)
 
     # ------------------------------------------------------------------ entry points
     async def completions(self, body: CompletionRequest, is_disconnected: Callable[[], Any],
@@ -68,24 +76,51 @@ class OpenAIServing:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         self._check_queue_room(1, body.n)
-        num_chars = sum(len(m.content or "") for m in body.messages)
+        num_chars = sum(len(m.content or "") + sum(len(c.function.arguments)
+                                                   for c in m.tool_calls or ())
+                        for m in body.messages)
         if num_chars > self.max_prompt_chars:
             raise _too_long("messages", num_chars, self.max_prompt_chars, self.max_model_len)
         await self._check_response_format(body)
+        forced = await self._forced_calls(body)
+        messages, tools = template_inputs(body.messages, body.tools, body.tool_choice,
+                                          self.tool_convention)
         try:
             # NOTE: in a thread: a long conversation takes a while to render, and the event loop
             # must keep other requests' streams flowing meanwhile
             text = await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, body.template_messages(), tokenize=False,
+                self.tokenizer.apply_chat_template, messages, tools=tools, tokenize=False,
                 add_generation_prompt=True)
         except Exception as error:  # jinja errors: the conversation does not fit the template
             raise ApiError(400, f"the chat template rejected these messages: {error}",
                            param="messages") from error
         prompt = await self._encode(text, "messages", add_special_tokens=False)
-        params = self._sampling_params(body, prompt, body.requested_max_tokens)
-        formatter = ChatFormatter(self.tokenizer, self.served_model_name)
+        params = self._sampling_params(body, prompt, body.requested_max_tokens, forced)
+        reader = None
+        if body.tool_choice.mode != "none":
+            reader = ToolCallReader(self.tool_convention.parser, forced is not None,
+                                    frozenset(f.name for f in body.functions_offered))
+        formatter = ChatFormatter(self.tokenizer, self.served_model_name, reader)
         generation = await self._start([prompt], [params], body, tenant)
         return await self._respond(generation, formatter, body, is_disconnected)
+
+    async def _forced_calls(self, body: ChatCompletionRequest) -> ResponseFormat | None:
+        """The grammar of the calls tool_choice demands, checked on a thread (a large schema
+        takes up to ~1 s); None where tool_choice forces nothing."""
+        forced = forced_call_format(body.functions_offered, body.tool_choice,
+                                    body.parallel_tool_calls, self.tool_convention.parser)
+        if forced is None:
+            return None
+        if body.response_format is not None:
+            raise ApiError(400, f"response_format cannot be combined with tool_choice "
+                                f"{body.tool_choice.mode!r}: the output is a tool call",
+                           param="response_format")
+        try:
+            await asyncio.to_thread(check_enforceable, body.functions_offered, body.tool_choice,
+                                    forced)
+        except UnenforceableToolError as error:
+            raise ApiError(400, str(error), param=error.param) from None
+        return forced
 
     # ------------------------------------------------------------------ running
     async def _start(self, prompts: list[list[int]], params: list[SamplingParams],
@@ -118,9 +153,9 @@ class OpenAIServing:
                 async for piece in generation.pieces():
                     # the speculation metrics ride the last chunk (the usage chunk, if asked for)
                     is_last = generation.is_finished and not include_usage
-                    yield _sse(formatter.piece_chunk(
-                        piece, formatter.metrics(generation) if is_last else None
-                    ).model_dump(mode="json"))
+                    for chunk in formatter.piece_chunks(
+                            piece, formatter.metrics(generation) if is_last else None):
+                        yield _sse(chunk.model_dump(mode="json"))
                 if include_usage:
                     yield _sse(formatter.usage_chunk(generation).model_dump(mode="json"))
             except ApiError as error:
@@ -187,7 +222,8 @@ class OpenAIServing:
         return await asyncio.to_thread(self.tokenizer.encode, text, **kwargs)
 
     def _sampling_params(self, body: CompletionRequest | ChatCompletionRequest,
-                         prompt: list[int], max_tokens: int | None) -> SamplingParams:
+                         prompt: list[int], max_tokens: int | None,
+                         grammar: ResponseFormat | None = None) -> SamplingParams:
         room = self.max_model_len - len(prompt)
         if room < 1:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
@@ -206,7 +242,8 @@ class OpenAIServing:
                                 f"this server's {self.engine_k}",
                            param="speculative_decoding.num_speculative_tokens")
         try:
-            return body.to_sampling_params(room)
+            return body.to_sampling_params(room, grammar) if grammar is not None \
+                else body.to_sampling_params(room)
         except ValueError as error:
             raise ApiError(400, str(error)) from error
 

@@ -48,6 +48,8 @@ class ServerArgs:
     # open connections beyond this get 503 and are closed
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     log_level: str = "info"
+    # the tool-call convention (server/tools/conventions.py); None = the chat template's
+    tool_call_parser: str | None = None
 
 
 def served_model_name(engine_args: EngineArgs, server_args: ServerArgs) -> str:
@@ -117,7 +119,8 @@ async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
         metrics = ServerMetrics(name, ready.speculative_method, ready.num_speculative_tokens)
         callbacks.metrics = metrics
         tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
-        serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests)
+        serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests,
+                                server_args.tool_call_parser)
         state = ServerState(client, serving, metrics, server_args.api_keys,
                             max_body_bytes=server_args.max_body_bytes,
                             read_timeout=server_args.read_timeout)

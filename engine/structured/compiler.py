@@ -35,7 +35,7 @@ MAX_WHITESPACE = 32
 # NOTE: passed as llguidance *overrides*, which win over a schema's own "x-guidance" options: a
 # client cannot turn on `lenient` (silently ignoring what cannot be enforced), `coerce_one_of`
 # (oneOf run as anyOf) or separators that are not JSON.
-_JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: dict[str, Any] = {
     "whitespace_flexible": True,
     "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}",
     "item_separator": ",",
@@ -44,7 +44,8 @@ _JSON_OPTIONS: dict[str, Any] = {
     "lenient": False,
 }
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
-_WHERE = {"json_object": "response_format", "json_schema": "response_format.json_schema.schema"}
+_WHERE = {"json_object": "response_format", "json_schema": "response_format.json_schema.schema",
+          "lark": "tools"}
 
 
 def check_response_format(value: Any) -> ResponseFormat | None:
@@ -66,9 +67,11 @@ def check_grammar_support(fmt: ResponseFormat) -> None:
 
 def grammar_text(fmt: ResponseFormat) -> str:
     """The llguidance grammar for `fmt`: a pure function of fmt.key, so equal keys compile alike."""
+    if fmt.type == "lark":
+        return llguidance.grammar_from("lark", fmt.grammar)
     schema = json.loads(fmt.key).get("schema", _ANY_OBJECT)
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
     except ValueError as error:
         raise _unsupported(fmt, str(error)) from None
 

@@ -8,6 +8,10 @@ Accepted shapes (anything else is an InvalidResponseFormatError):
                                             "strict": bool, "description": "..."}}
 `strict` is accepted and does not change anything: the schema is always enforced, and a schema that
 cannot be enforced exactly is refused (UnsupportedSchemaError), never run half-enforced.
+
+A third type, "lark", is never parsed from a request: the server builds it for tool calls that
+`tool_choice` demands (server/tools/), a Lark grammar with `%json` schemas inside, and sends its key
+down the same path, so the engine enforces it exactly as it does a JSON schema.
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 class ResponseFormat:
     """A parsed `response_format` that needs a grammar (`{"type": "text"}` parses to None)."""
 
-    type: Literal["json_object", "json_schema"]
-    # the JSON schema, as given (None for json_object)
+    type: Literal["json_object", "json_schema", "lark"]
+    # the JSON schema, as given (None for json_object and lark)
     schema: dict[str, Any] | None = None
+    # the llguidance Lark grammar (lark only)
+    grammar: str | None = None
     # json_schema.name / .strict, kept for logs and echoing; they do not change the grammar
     name: str | None = None
     strict: bool | None = None
@@ -61,6 +67,8 @@ class ResponseFormat:
         canonical = {"type": self.type}
         if self.schema is not None:
             canonical["schema"] = canonical_schema(self.schema)
+        if self.grammar is not None:
+            canonical["grammar"] = self.grammar
         return json.dumps(canonical, ensure_ascii=False, separators=(",", ":"),
                           allow_nan=False)
 
@@ -68,7 +76,7 @@ class ResponseFormat:
     def from_key(cls, key: str) -> ResponseFormat:
         """Inverse of `key` (the engine side of the process queue): name and strict are dropped."""
         value = json.loads(key)
-        return cls(type=value["type"], schema=value.get("schema"))
+        return cls(type=value["type"], schema=value.get("schema"), grammar=value.get("grammar"))
 
 
 def parse_response_format(value: Any) -> ResponseFormat | None:
