@@ -91,6 +91,9 @@ def chat_body(endpoint: Endpoint, messages: list[dict[str, Any]], tool_choice: s
     body: dict[str, Any] = {
         "model": endpoint.model, "messages": list(messages), "tools": TOOLS,
         "tool_choice": tool_choice, "max_tokens": sampling.max_tokens,
+        # NOTE: one call a response: a small model allowed several repeats its call until
+        # max_tokens, which would measure the repetition rather than the agent's traffic
+        "parallel_tool_calls": False,
         "temperature": sampling.temperature, "stream": True,
         "stream_options": {"include_usage": True},
     }

@@ -39,6 +39,8 @@ STOP_WORDS = frozenset("a an and are as by do for from how i in into is it of on
                        .split())
 WEATHER_CONDITIONS = ("sunny", "cloudy", "light rain", "heavy rain", "windy", "snow", "fog")
 
+# NOTE: closed schemas, as agent frameworks send them (OpenAI's strict mode requires it): with
+# extra properties allowed, a small model keeps adding them until max_tokens
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {
         "name": "read_source",
@@ -46,20 +48,20 @@ TOOLS: list[dict[str, Any]] = [
         "parameters": {"type": "object", "properties": {
             "module": {"type": "string", "description": "module name, e.g. json"},
             "function": {"type": "string", "description": "function name, e.g. dumps"}},
-            "required": ["module", "function"]}}},
+            "required": ["module", "function"], "additionalProperties": False}}},
     {"type": "function", "function": {
         "name": "get_weather",
         "description": "Return the current weather in a city as JSON.",
         "parameters": {"type": "object", "properties": {
             "city": {"type": "string", "description": "city name, e.g. Paris"}},
-            "required": ["city"]}}},
+            "required": ["city"], "additionalProperties": False}}},
     {"type": "function", "function": {
         "name": "search_docs",
         "description": "Search the Python standard-library documentation; returns the best "
                        "matching docstring.",
         "parameters": {"type": "object", "properties": {
             "query": {"type": "string", "description": "what to look for"}},
-            "required": ["query"]}}},
+            "required": ["query"], "additionalProperties": False}}},
 ]
 
 QUESTIONS = (

@@ -18,6 +18,9 @@ from server.tools.parsed_calls import FUNCTION_NAME
 # OpenAI allows 128 tools a request
 MAX_TOOLS = 128
 MAX_DESCRIPTION_CHARS = 8192
+# all of a request's parameter schemas together, in bytes of JSON: what the grammar check may
+# compile for one request (~1 s per 100 kB), and what the prompt shows the model
+MAX_TOOLS_SCHEMA_BYTES = 256_000
 _TOOL_KEYS = {"type", "function"}
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 # a function declared without parameters takes none: its arguments are always {}
@@ -58,6 +61,10 @@ def parse_tools(value: Any) -> tuple[FunctionSpec, ...] | None:
     if len(value) > MAX_TOOLS:
         raise ValueError(f"has {len(value)} tools; at most {MAX_TOOLS}")
     specs = tuple(_parse_tool(tool, f"tools[{index}]") for index, tool in enumerate(value))
+    size = sum(len(json.dumps(spec.parameters).encode()) for spec in specs)
+    if size > MAX_TOOLS_SCHEMA_BYTES:
+        raise ValueError(f"the tools' parameters hold {size} bytes of JSON schema together; at "
+                         f"most {MAX_TOOLS_SCHEMA_BYTES}")
     names = [spec.name for spec in specs]
     duplicate = next((name for name in names if names.count(name) > 1), None)
     if duplicate is not None:

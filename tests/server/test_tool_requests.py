@@ -4,6 +4,7 @@ not (the embedded SmolLM2's)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -64,6 +65,9 @@ def test_tool_choice_defaults_as_openais() -> None:
      "unknown field(s) parameter"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "string"}}}]}, ("tools",), "tools[0].function.parameters.type"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "description": "x" * 90_000}}} for i in range(3)]}, ("tools",),
+     "at most 256000"),
     ({"functions": [{"name": "f"}]}, ("functions",), "use tools"),
     ({"function_call": {"name": "f"}}, ("function_call",), "use tool_choice"),
     ({"messages": [USER, RESULT]}, ("messages",), "messages[1].tool_call_id 'call_1' answers no "
@@ -185,3 +189,43 @@ def embedded_tokenizer():
     from embedded_tokenizer import load_embedded_tokenizer
 
     return load_embedded_tokenizer()
+
+
+def test_template_that_knows_tools_renders_them_itself(embedded_tokenizer) -> None:
+    from tool_templates import HERMES_STYLE
+
+    tokenizer = copy.copy(embedded_tokenizer)
+    tokenizer.chat_template = HERMES_STYLE
+    convention = tool_convention(tokenizer)
+    assert convention.template_knows_tools and convention.parser.name == "hermes"
+    request = chat(messages=[USER, CALL, RESULT], tools=[WEATHER])
+    messages, tools = template_inputs(request.messages, request.tools, request.tool_choice,
+                                      convention)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+    assert json.dumps(WEATHER) in text
+    # the template wrote the earlier call in the form the parser reads back
+    assert SMOLLM2_AUTO_CALL in text
+    assert '<|im_start|>user\n<tool_response>\n{"sky": "sunny"}\n</tool_response>' in text
+
+
+def test_llama31_style_template_is_read_as_llama3_json(embedded_tokenizer) -> None:
+    from tool_templates import LLAMA31_STYLE
+
+    tokenizer = copy.copy(embedded_tokenizer)
+    tokenizer.chat_template = LLAMA31_STYLE
+    convention = tool_convention(tokenizer)
+    assert convention.template_knows_tools and convention.parser.name == "llama3_json"
+    assert tool_convention(tokenizer, "hermes").parser.name == "hermes"  # the flag wins
+    request = chat(messages=[USER, CALL, RESULT], tools=[WEATHER])
+    messages, tools = template_inputs(request.messages, request.tools, request.tool_choice,
+                                      convention)
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=True)
+    assert '<|python_tag|>{"name": "get_weather", "arguments": {"city": "Paris"}}' in text
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n{"sky": "sunny"}' in text
+
+
+def test_unknown_parser_name_is_refused(embedded_tokenizer) -> None:
+    with pytest.raises(ValueError, match="unknown tool-call parser 'mistral'"):
+        tool_convention(embedded_tokenizer, "mistral")
