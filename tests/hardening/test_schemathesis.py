@@ -60,7 +60,8 @@ def keep_small(body: dict) -> None:
 
 def meet_rules_beyond_the_schema(body: dict) -> None:
     """Rules the validators add to the schema (logit_bias keys are token ids of the vocabulary,
-    prompts and user messages not empty, top_logprobs needs logprobs, stream_options needs stream)
+    prompts and user messages not empty, top_logprobs needs logprobs, stream_options needs stream,
+    tool messages answer earlier calls)
     reject most schema-valid requests; fixing only values of the types the schema asks for lets
     valid requests reach the engine, while invalid parts stay invalid."""
     if isinstance(body.get("logit_bias"), dict):
@@ -78,8 +79,16 @@ def meet_rules_beyond_the_schema(body: dict) -> None:
         body["stream"] = True
     messages = body.get("messages")
     for message in messages if isinstance(messages, list) else []:
-        if (isinstance(message, dict) and message.get("content") is None
-                and message.get("role") != "assistant"):
+        if not isinstance(message, dict):
+            continue
+        # a tool message answers a call of the assistant message before it, which generated
+        # histories never hold; only assistant messages carry calls, only tool messages answer
+        if message.get("role") == "tool":
+            message["role"] = "user"
+        if message.get("role") != "assistant":
+            message.pop("tool_calls", None)
+        message.pop("tool_call_id", None)
+        if message.get("content") is None and message.get("role") != "assistant":
             message["content"] = "Hello"
 
 
