@@ -83,11 +83,18 @@ if [[ -n $torch_wheels ]]; then
     cleanup_steps+=("kill $! 2>/dev/null || true")
     build_args+=(--build-arg "TORCH_FIND_LINKS=http://127.0.0.1:$port/")
 fi
-# NOTE: the classic builder where BuildKit's CLI plugin is missing (Debian's docker.io)
+dockerfile=Dockerfile
+# NOTE: the classic builder where BuildKit's CLI plugin is missing (Debian's docker.io). It builds
+# every stage before the target (BuildKit skips those the target does not use), so it gets the
+# global ARGs and the target's stage alone
 if ! docker buildx version >/dev/null 2>&1; then
     export DOCKER_BUILDKIT=0
+    dockerfile=$(mktemp)
+    cleanup_steps+=("rm -f '$dockerfile'")
+    awk -v stage="$target" '/^FROM / { in_stage = ($NF == stage); started = 1 }
+                            !started || in_stage { print }' Dockerfile > "$dockerfile"
 fi
 start=$(date +%s)
-docker build "${build_args[@]}" .
+docker build --file "$dockerfile" "${build_args[@]}" .
 echo "built $tag in $(($(date +%s) - start)) s: $(docker image inspect "$tag" --format '{{.Size}}' \
     | awk '{printf "%.0f MB", $1 / 1e6}')"
