@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from server.api_responses import FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta
-from server.tools.parsed_calls import ParsedCall
+from server.tools.parsed_calls import ParsedCall, Scans
 from server.tools.parser import ToolCallParser
 
 
@@ -28,9 +28,10 @@ class ToolCallReader:
     forced: bool
     tool_names: frozenset[str]
 
-    def calls_and_content(self, text: str, *, final: bool) -> tuple[str, tuple[ParsedCall, ...]]:
+    def calls_and_content(self, text: str, *, final: bool, scans: Scans | None = None
+                          ) -> tuple[str, tuple[ParsedCall, ...]]:
         parsed = self.parser.parse(text, final=final, forced=self.forced,
-                                   tool_names=self.tool_names)
+                                   tool_names=self.tool_names, scans=scans)
         # NOTE: stripped at the end too while streaming: trailing whitespace is sent only once
         # text follows it, and never if none does
         return parsed.content.strip(), parsed.calls
@@ -54,6 +55,8 @@ class ToolCallStream:
     sent_content: str = ""
     # per call sent so far: its id and how much of its arguments
     sent_calls: list[tuple[str, int]] = field(default_factory=list)
+    # how far each JSON value of the text has been read (parsed_calls.ValueScan)
+    scans: Scans = field(default_factory=dict)
 
     def feed(self, text: str, finish_reason: str | None
              ) -> tuple[str, list[ToolCallDelta], str | None]:
@@ -61,7 +64,7 @@ class ToolCallStream:
         finish_reason is not None."""
         self.text += text
         final = finish_reason is not None
-        content, calls = self.reader.calls_and_content(self.text, final=final)
+        content, calls = self.reader.calls_and_content(self.text, final=final, scans=self.scans)
         new_content = content[len(self.sent_content):]
         self.sent_content = content
         deltas: list[ToolCallDelta] = []

@@ -10,6 +10,7 @@ from typing import Any
 from server.tools.parsed_calls import (
     ParsedCall,
     ParsedOutput,
+    Scans,
     call_header,
     parse_call,
     streamed_call,
@@ -26,22 +27,21 @@ class HermesParser(ToolCallParser):
     arguments_key = "arguments"
     _header = call_header("arguments")
 
-    def parse(self, text: str, *, final: bool, forced: bool,
-              tool_names: frozenset[str]) -> ParsedOutput:
-        return self._forced(text) if forced else self._auto(text, final, tool_names)
+    def parse(self, text: str, *, final: bool, forced: bool, tool_names: frozenset[str],
+              scans: Scans | None = None) -> ParsedOutput:
+        return self._forced(text, scans) if forced else self._auto(text, final, tool_names)
 
-    def _forced(self, text: str) -> ParsedOutput:
+    def _forced(self, text: str, scans: Scans | None) -> ParsedOutput:
         calls: list[ParsedCall] = []
         position = 0
         while (start := text.find(OPEN, position)) >= 0:
-            body = start + len(OPEN)
-            call, end = streamed_call(text[body:], self._header)
+            call, end = streamed_call(text, start + len(OPEN), self._header, scans)
             if call is None:
                 break
             calls.append(call)
             if end is None:
                 break
-            position = body + end
+            position = end
         return ParsedOutput("", tuple(calls))
 
     def _auto(self, text: str, final: bool, tool_names: frozenset[str]) -> ParsedOutput:

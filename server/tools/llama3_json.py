@@ -11,6 +11,7 @@ from typing import Any
 from server.tools.parsed_calls import (
     ParsedCall,
     ParsedOutput,
+    Scans,
     call_header,
     parse_call,
     streamed_call,
@@ -27,15 +28,16 @@ class Llama3JsonParser(ToolCallParser):
     arguments_key = "parameters"
     _header = call_header("(?:parameters|arguments)")
 
-    def parse(self, text: str, *, final: bool, forced: bool,
-              tool_names: frozenset[str]) -> ParsedOutput:
-        body = text.lstrip()
-        if body.startswith(PYTHON_TAG):
-            body = body[len(PYTHON_TAG):]
-        elif not final and PYTHON_TAG.startswith(body):
+    def parse(self, text: str, *, final: bool, forced: bool, tool_names: frozenset[str],
+              scans: Scans | None = None) -> ParsedOutput:
+        start = len(text) - len(text.lstrip())
+        if text.startswith(PYTHON_TAG, start):
+            start += len(PYTHON_TAG)
+        elif not final and PYTHON_TAG.startswith(text[start:]):
             return ParsedOutput("")  # nothing yet, or the tag's first characters
         if forced:
-            return ParsedOutput("", self._streamed(body))
+            return ParsedOutput("", self._streamed(text, start, scans))
+        body = text[start:]
         if not final and not body.strip():
             return ParsedOutput("")  # the tag alone so far
         if not body.lstrip().startswith("{"):
@@ -47,15 +49,14 @@ class Llama3JsonParser(ToolCallParser):
             return ParsedOutput(text)
         return ParsedOutput("", calls)
 
-    def _streamed(self, text: str) -> tuple[ParsedCall, ...]:
+    def _streamed(self, text: str, position: int, scans: Scans | None) -> tuple[ParsedCall, ...]:
         calls: list[ParsedCall] = []
-        position = 0
         while True:
-            call, end = streamed_call(text[position:], self._header)
+            call, end = streamed_call(text, position, self._header, scans)
             if call is None:
                 break
             calls.append(call)
-            separator = _SEPARATOR.match(text, position + end) if end is not None else None
+            separator = _SEPARATOR.match(text, end) if end is not None else None
             if separator is None:
                 break
             position = separator.end()

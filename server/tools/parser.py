@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.structured.compiler import JSON_OPTIONS
-from server.tools.parsed_calls import ParsedOutput
+from server.tools.parsed_calls import ParsedOutput, Scans
 from server.tools.tool_request import FunctionSpec
 
 
@@ -20,12 +20,12 @@ class ToolCallParser(ABC):
     arguments_key: str
 
     @abstractmethod
-    def parse(self, text: str, *, final: bool, forced: bool,
-              tool_names: frozenset[str]) -> ParsedOutput:
+    def parse(self, text: str, *, final: bool, forced: bool, tool_names: frozenset[str],
+              scans: Scans | None = None) -> ParsedOutput:
         """The calls and content in `text`, prefix-stable (parsed_calls.py); `final` once the text
         is whole. `forced`: a grammar made the text calls only (streamed as they are written);
         otherwise calls count once whole, valid JSON and of a function in `tool_names`, and the
-        rest is content."""
+        rest is content. `scans`: a stream's reads of the text so far, resumed, not repeated."""
 
     @abstractmethod
     def forced_grammar(self, functions: Sequence[FunctionSpec], parallel: bool) -> str:
