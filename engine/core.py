@@ -10,9 +10,11 @@ import torch
 
 from engine.adaptive import AdaptiveSpeculation
 from engine.adaptive.calibration import calibrate_verify_cost
+from engine.adaptive.calibration_cache import engine_fields
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.failures import run_isolated
 from engine.messages import StepStats
+from engine.models.loader import embedded_gguf_path
 from engine.proposers import Proposer, build_proposer
 from engine.request import Request
 from engine.runner.worker import Worker
@@ -72,7 +74,12 @@ class EngineCore:
                                                 drafts_first=self.proposer.drafts_for_free)
             calibrate_verify_cost(self.adaptive.cost, self.worker, self.scheduler.block_manager,
                                   self.sampler, min(scheduler_config.max_num_batched_tokens,
-                                                    self.worker.kv_spec.max_model_len))
+                                                    self.worker.kv_spec.max_model_len),
+                                  cache_fields=engine_fields(
+                                      model_config, cache_config, parallel_config,
+                                      model_config.model or embedded_gguf_path(),
+                                      self.worker.linear_backend,
+                                      self.proposer.target_feature_layers, self.worker.device))
         self.eos_token_ids = frozenset(self.worker.arch.eos_token_ids)
         # response_format grammars for this tokenizer, built at the first request that has one
         self._grammar_compiler: GrammarCompiler | None = None

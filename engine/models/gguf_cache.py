@@ -20,18 +20,13 @@ from collections.abc import Iterator
 
 import transformers
 
+from engine.disk_cache import cache_root
 from engine.models.gguf_checkpoint import read_gguf_config
 from engine.models.gguf_file import GGUFLayout, read_gguf_layout
 
 logger = logging.getLogger(__name__)
 
 TOKENIZER_KEY = "tokenizer.ggml.model"  # present in the metadata of a GGUF that holds a tokenizer
-
-
-def cache_root() -> str:
-    """SPECSERVE_CACHE_DIR, else ~/.cache/specserve."""
-    root = os.environ.get("SPECSERVE_CACHE_DIR") or os.path.join("~", ".cache", "specserve")
-    return os.path.abspath(os.path.expanduser(root))
 
 
 def metadata_cache_dir(gguf: str | GGUFLayout) -> str:
