@@ -17,6 +17,10 @@ import pytest  # noqa: E402
 from tiny_chat_model import build_tiny_chat_checkpoint
 from tiny_models import build_tiny_checkpoint
 
+# `--quick`, the `slow` and `promise` markers, and the check that every promise stays quick;
+# live servers shared by the session (server_pool, embedded_server)
+pytest_plugins = ["tiers", "shared_servers"]
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:

@@ -66,6 +66,7 @@ def chosen_ks(llm: LLM) -> list[int]:
     return record
 
 
+@pytest.mark.promise("greedy-lossless:adaptive")
 @pytest.mark.parametrize("caps", [[None] * 4, [None, 0, 2, None]])
 def test_greedy_is_token_identical_while_k_changes(checkpoint, expected, caps):
     # extra rows cheap enough that the prior alone justifies drafting, until rejections say otherwise

@@ -9,8 +9,10 @@ import pytest
 from engine import LLM, SamplingParams
 from kernels.paged_attention_cpu import paged_attention_cpu_available
 
-pytestmark = pytest.mark.skipif(not paged_attention_cpu_available(),
-                                reason="no C++ compiler, or SPECSERVE_CPU_KERNELS=0")
+# the real model in float32, three engines: the full suite's
+pytestmark = [pytest.mark.skipif(not paged_attention_cpu_available(),
+                                 reason="no C++ compiler, or SPECSERVE_CPU_KERNELS=0"),
+              pytest.mark.slow]
 CONVERSATIONS = [
     "Count from 1 to 30, separated by commas.",
     "Copy this sentence word for word: the old lighthouse stood at the edge of the cliff, its "

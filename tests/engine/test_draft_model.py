@@ -46,6 +46,7 @@ def test_unrelated_draft_is_rejected_but_output_is_unchanged(target, expected, t
     assert sum(o.spec_stats.num_draft_tokens for o in outs) > 0
 
 
+@pytest.mark.promise("greedy-lossless:draft_model")
 def test_partly_right_draft_rolls_back_its_cache(target, expected, tmp_path):
     """A draft that shares the target's first layer agrees sometimes: every rollback path runs."""
     draft = build_tiny_checkpoint(tmp_path, "llama", seed=21, num_hidden_layers=1)
@@ -68,6 +69,7 @@ def test_vocab_mismatch_is_refused(target, tmp_path):
         run(target, draft, k=2)
 
 
+@pytest.mark.slow
 def test_sampled_distribution_with_draft_probabilities_matches_plain(tmp_path):
     """q from a different small model: token 3 keeps the plain distribution (two-sample chi-square)."""
     import numpy as np

@@ -111,6 +111,7 @@ def test_the_head_reads_the_target_features_of_the_right_positions(target, untra
         torch.testing.assert_close(feature, previous[position], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.promise("greedy-lossless:eagle")
 def test_greedy_is_lossless_when_the_drafts_are_mostly_right(tmp_path):
     check_lossless_when_mostly_right(tmp_path, "eagle", write_bigram_eagle_head)
 
@@ -178,6 +179,7 @@ def test_the_unrolled_training_layout_is_what_drafting_computes(arch, untrained)
             torch.testing.assert_close(hidden[0], want, msg=f"row {row} pos {position} step {step}")
 
 
+@pytest.mark.slow
 def test_training_makes_the_head_guess_what_the_target_says(target, arch, untrained, tmp_path):
     from engine.training.train_eagle import (
         chain_accuracy,

@@ -252,6 +252,7 @@ def test_a_cached_prefix_gives_the_same_drafts(target, head, expected):
     assert runs[0] == runs[1] and sum(len(d) for d in runs[0][0]) > 20, runs
 
 
+@pytest.mark.promise("greedy-lossless:eagle3")
 def test_greedy_is_lossless_when_the_drafts_are_mostly_right(tmp_path):
     check_lossless_when_mostly_right(tmp_path, "eagle3", write_bigram_eagle3_head)
 
@@ -287,6 +288,7 @@ def test_eagle3s_default_layers(tmp_path):
         spec_llm(too_shallow, folder)
 
 
+@pytest.mark.slow
 def test_training_makes_the_head_guess_what_the_target_says(target, arch, tmp_path):
     """`train-speculator --method eagle3`'s pieces on the tiny target: the three layers' streams,
     training-time test over 2 steps, the distribution loss alone; the saved speculators folder
@@ -333,6 +335,7 @@ def test_training_makes_the_head_guess_what_the_target_says(target, arch, tmp_pa
     assert rates[1] > max(0.1, 5 * rates[0]), rates
 
 
+@pytest.mark.slow
 def test_the_agreement_counts_answers_and_the_loss_prompts_by_choice(target, arch):
     """The agreement never counts prompt positions: garbage labels there leave it unchanged. With
     --answer-only-loss they are context only: garbage labels and teacher features there change
@@ -394,6 +397,7 @@ def test_the_agreement_counts_answers_and_the_loss_prompts_by_choice(target, arc
                           num_steps=2) == clean
 
 
+@pytest.mark.slow
 def test_train_speculator_eagle3_command_trains_and_saves_a_loadable_head(target, arch, tmp_path):
     """The command's own path after generation (`run_eagle` with the command's defaults): it writes
     a speculators folder whose LM head starts from the target's rows, and that folder serves."""

@@ -171,7 +171,8 @@ def eagle3(tmp_path_factory) -> tuple[str, str, list[list[int]]]:
                                                   greedy()))
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.promise(
+    f"greedy-lossless-tree:{m}")) for m in ("eagle", "eagle3")])
 def test_greedy_trees_are_token_identical_in_a_batch(method, request):
     target, head, expected = request.getfixturevalue(method)
     llm = spec_llm(target, head, method)
@@ -294,6 +295,7 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path):
         assert two_sample_chi2_pvalue(plain, speculated) > 1e-4, (plain, speculated)
 
 
+@pytest.mark.slow
 def test_a_trained_heads_tree_accepts_at_least_what_its_chain_does(eagle, tmp_path):
     """With the same node budget, a trained head's tree (several guesses where it is unsure)
     accepts at least as many drafts per verification as its chain, token-identically."""

@@ -13,6 +13,8 @@ from tiny_models import build_tiny_checkpoint
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
 
+pytestmark = [pytest.mark.promise("failure-isolation")]
+
 NUM_REQUESTS = 8
 VICTIM = 3
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}

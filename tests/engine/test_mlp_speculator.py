@@ -55,6 +55,7 @@ def test_greedy_is_token_identical_in_mixed_batches(target, untrained):
     assert len(outs[2].spec_stats.accepted_per_position) <= 1
 
 
+@pytest.mark.promise("greedy-lossless:mlp_speculator")
 def test_greedy_is_lossless_when_the_drafts_are_mostly_right(tmp_path):
     check_lossless_when_mostly_right(tmp_path, "mlp_speculator", write_bigram_mlp_speculator)
 
@@ -69,6 +70,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(target, untrained):
     assert together[3] == alone[0]
 
 
+@pytest.mark.slow
 def test_the_trainer_raises_acceptance(target, untrained, tmp_path):
     plain = LLM(target, dtype="float32", max_model_len=256, num_kv_blocks=64)
     prompts = [[1] + [(7 * i + j) % 90 + 2 for j in range(6)] for i in range(48)]

@@ -17,8 +17,11 @@ from engine.models.cpu_linear import QuantizedEmbedding, QuantizedLinear, packed
 from engine.models.packed_weight import PACKED_FORMATS
 from tests.helpers.tiny_gguf import write_tiny_gguf
 
-pytestmark = pytest.mark.skipif(not packed_weights_available(),
-                                reason="no C++ compiler with AVX2 and F16C for the packed kernel")
+pytestmark = [
+    pytest.mark.skipif(not packed_weights_available(),
+                       reason="no C++ compiler with AVX2 and F16C for the packed kernel"),
+    pytest.mark.promise("packed-kernel-exact"),
+]
 
 PROMPTS = [[1, 5, 9, 2, 7], [3, 3, 8, 40, 41, 42, 43, 44, 3, 3, 8], list(range(10, 40)),
            [90, 91, 92, 90, 91, 92, 90, 91]]

@@ -10,11 +10,13 @@ target drafts as a draft model that is sometimes wrong, so rollback runs in both
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 
 import pytest
 import torch
+from tiers import tiered
 
 from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
@@ -22,6 +24,7 @@ from engine.models.loader import embedded_gguf_path, load_checkpoint, prepare_em
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_feature_layers
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from engine.spec_config import DEFAULT_SERVE_SPECULATIVE_CONFIG
 from engine.training.train_eagle import (
     FeatureStream,
     choose_draft_vocab,
@@ -193,7 +196,8 @@ def perturbed_folder(tmp_path_factory, plain) -> str:
 METHODS = {
     "ngram": ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}, None),
     "suffix": ({"method": "suffix", "num_speculative_tokens": 4}, None),
-    "adaptive_suffix": ({"method": "suffix", "num_speculative_tokens": 4, "adaptive": True}, None),
+    # `specserve serve`'s own default: adaptive suffix decoding
+    "serve_default": (json.loads(DEFAULT_SERVE_SPECULATIVE_CONFIG), None),
     "draft_model_itself": ({"method": "draft_model", "num_speculative_tokens": NUM_STAGES},
                            "embedded_gguf"),
     "mlp_speculator": ({"method": "mlp_speculator", "num_speculative_tokens": NUM_STAGES},
@@ -235,7 +239,9 @@ def mismatch_report(prompt: list[int], got: list[int], want: list[int], tokenize
             f"logit gap {gap:.3e}")
 
 
-@pytest.mark.parametrize("method", METHODS)
+# NOTE: the quick tier runs the serve default; the full suite every method and tree
+@pytest.mark.parametrize("method", tiered(METHODS, {"serve_default"},
+                                          promise="serve-default-real-model"))
 def test_greedy_is_token_identical_batched_and_preempted(request, prompts, expected, method):
     config, folder_fixture = METHODS[method]
     if folder_fixture is not None:

@@ -24,6 +24,7 @@ import sampling_law
 import torch
 from sampling_law import (
     EPSILON,
+    FULL_EPSILON,
     TARGET_LOGITS,
     VOCAB,
     Case,
@@ -85,6 +86,7 @@ PLAIN_CASES = [Case(temperature=0.7), Case(temperature=1.3, top_k=3),
                Case(temperature=1.0, top_p=0.8)]
 
 
+@pytest.mark.promise("sampling-law")
 @pytest.mark.parametrize("case", PLAIN_CASES, ids=str)
 def test_plain_sampling_follows_the_target(target, target_logits, case):
     probs = reference_probs(target_logits, case)
@@ -102,6 +104,7 @@ SPEC_CASES = {
 }
 
 
+@pytest.mark.promise("sampling-law")
 @pytest.mark.parametrize("method", SPEC_CASES)
 def test_speculative_sampling_follows_the_target(target, draft, target_logits, method):
     case, config = SPEC_CASES[method]
@@ -161,6 +164,7 @@ BROKEN = {
 }
 
 
+@pytest.mark.promise("sampling-law-canaries")
 @pytest.mark.parametrize("bug", BROKEN)
 def test_a_broken_sampler_is_caught(target, draft, target_logits, monkeypatch, bug):
     """Each bug is a TV error of several percent, far above EPSILON, so a tenth of the tokens
@@ -170,7 +174,8 @@ def test_a_broken_sampler_is_caught(target, draft, target_logits, monkeypatch, b
     if config is not None:
         config = {**config, "model": draft}
     probs = reference_probs(target_logits, case)
-    result = sample(target, case, probs, seed=9_000_000, speculative_config=config, fraction=0.1)
+    result = sample(target, case, probs, seed=9_000_000, speculative_config=config, fraction=0.1,
+                    epsilon=FULL_EPSILON)
     verdict = chain_verdict(result.counts, probs)
     assert verdict.rejects, f"{bug} went unnoticed: {verdict}"
 

@@ -10,6 +10,7 @@ import sampling_law
 import torch
 from bigram_model import build_bigram_checkpoint
 from sampling_law import (
+    FULL_OTHER_EPSILON,
     OTHER_EPSILON,
     TARGET_LOGITS,
     VOCAB,
@@ -82,6 +83,7 @@ OTHER_SPEC_CASES = {
 }
 
 
+@pytest.mark.promise("sampling-law", "sampling-law-canaries")
 @pytest.mark.parametrize("method", OTHER_SPEC_CASES)
 def test_every_proposer_samples_the_target_and_a_broken_sampler_is_caught(
         deep_target, target_logits, tmp_path, monkeypatch, method):
@@ -108,6 +110,6 @@ def test_every_proposer_samples_the_target_and_a_broken_sampler_is_caught(
     monkeypatch.setattr(tree_module if is_tree else reference_module, "recovery_weights",
                         recover_from_p)
     broken = sample(deep_target, case, probs, seed=None, speculative_config=config,
-                    fraction=0.2, epsilon=OTHER_EPSILON)
+                    fraction=0.2, epsilon=FULL_OTHER_EPSILON)
     verdict = chain_verdict(broken.counts, probs)
     assert verdict.rejects, f"{method}: recovering from p went unnoticed: {verdict}"

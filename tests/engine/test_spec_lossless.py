@@ -54,6 +54,7 @@ ENGINE_SETUPS = {
 }
 
 
+@pytest.mark.promise("greedy-lossless:ngram")
 @pytest.mark.parametrize("setup", ENGINE_SETUPS)
 @pytest.mark.parametrize("mix", BATCH_MIXES)
 def test_greedy_ngram_is_token_identical(checkpoint, expected, mix, setup):

@@ -253,6 +253,7 @@ def expected(checkpoint) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.promise("greedy-lossless:suffix")
 @pytest.mark.parametrize("caps, setup", [
     ([None, None, None, None], {}),
     # per-request caps (None = engine k, 0 = off), tiny KV blocks, a token budget that cuts drafts

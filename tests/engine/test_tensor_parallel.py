@@ -16,6 +16,9 @@ from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
 
+# two-rank engines: the full suite's (the quick tier keeps one rank's promises)
+pytestmark = pytest.mark.slow
+
 PROMPTS = [[1, 5, 9, 13, 2, 7, 5, 9, 13, 2], [1, 60], [1] + list(range(30, 50)) + list(range(30, 40)),
            [1, 11, 12, 13, 11, 12, 13, 11, 12]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -148,7 +148,8 @@ def test_greedy_survives_preemption(checkpoint, plain):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
+@pytest.mark.parametrize("method", [pytest.param(m, marks=pytest.mark.promise(
+    f"greedy-lossless-tree:{m}")) for m in ("ngram", "suffix")])
 def test_model_free_trees_are_lossless_in_a_batch(checkpoint, plain, method):
     """The real tree proposers, in a batch with chains (k capped to 0 and 2) beside trees."""
     expected = token_ids(plain.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy()))

@@ -12,6 +12,8 @@ import pytest
 from live_server import LiveServer
 from openai_errors import assert_openai_error
 
+pytestmark = [pytest.mark.promise("bad-input-400")]
+
 MAX_MODEL_LEN = 512
 MAX_WAITING = 16
 # generous: proves the answer comes, not how fast

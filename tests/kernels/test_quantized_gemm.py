@@ -21,8 +21,11 @@ from kernels.quantized_gemm import (
 )
 from kernels.skinny_gemm import pack_linear_weight, packed_linear, skinny_gemm_available
 
-pytestmark = pytest.mark.skipif(not (quantized_gemm_available() and skinny_gemm_available()),
-                                reason="no C++ compiler with AVX2 and F16C to build it")
+pytestmark = [
+    pytest.mark.skipif(not (quantized_gemm_available() and skinny_gemm_available()),
+                       reason="no C++ compiler with AVX2 and F16C to build it"),
+    pytest.mark.promise("packed-kernel-exact"),
+]
 
 # byte offsets of each format's float16 scales within a block (the rest is random quants)
 _HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],

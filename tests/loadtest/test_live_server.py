@@ -15,6 +15,9 @@ from live_server import LiveServer
 import loadtest.cli
 from loadtest.report import PER_REQUEST_FIELDS, RUN_FIELDS
 
+# a live embedded server under load: the full suite's
+pytestmark = pytest.mark.slow
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 ROOT = Path(__file__).resolve().parents[2]
 # names a `vllm bench serve` reader expects, beside our own list

@@ -17,6 +17,7 @@ import openai
 import pytest
 from live_server import LiveServer
 from prometheus_server import PrometheusServer, find_prometheus_binary
+from tiers import tiered
 
 from server.metrics import ACCEPTANCE_RATE_PROMQL, BLOCK_EFFICIENCY_PROMQL
 
@@ -37,10 +38,12 @@ def plain():
 
 
 @pytest.fixture(scope="module")
-def default():
-    """`specserve serve` as README starts it: adaptive suffix decoding."""
-    with LiveServer(["--max-model-len", "512"]) as server:
-        yield server
+def default(embedded_server: LiveServer) -> LiveServer:
+    """`specserve serve` as README starts it: adaptive suffix decoding (shared by the session).
+
+    NOTE: the quick tier's API contract runs on this server alone; tests that need the plain or
+    the n-gram server too are slow."""
+    return embedded_server
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +62,27 @@ def chat(client: openai.OpenAI, content: str, **kw):
                                           **kw)
 
 
-def test_completion_and_models(plain):
-    client = sdk(plain)
+@pytest.mark.promise("api-contract-sdk")
+def test_completion_and_models(default):
+    client = sdk(default)
     assert [m.id for m in client.models.list().data] == [MODEL]
     out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
                                     temperature=0)
     assert out.object == "text_completion" and out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 8 and out.usage.prompt_tokens > 0
     assert out.choices[0].text.strip()
-    assert out.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] == 0
+    assert set(out.model_extra["metrics"]["speculative_decoding"]) >= {
+        "num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens",
+        "draft_acceptance_rate", "mean_acceptance_length", "acceptance_histogram"}
 
 
+@pytest.mark.slow
 def test_greedy_over_http_is_identical_with_and_without_speculation(plain, spec, default):
     prompts = [COPY_PROMPT, "Write a Python function that adds two numbers.", "Name three colors."]
     accepted = {"ngram": 0, "default": 0}
     for prompt in prompts:
         want = chat(sdk(plain), prompt, max_tokens=48, temperature=0)
+        assert want.model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] == 0
         for name, client in (("ngram", sdk(spec, KEY)), ("default", sdk(default))):
             got = chat(client, prompt, max_tokens=48, temperature=0)
             assert got.choices[0].message.content == want.choices[0].message.content
@@ -86,8 +94,18 @@ def test_greedy_over_http_is_identical_with_and_without_speculation(plain, spec,
     assert accepted["ngram"] > 0 and accepted["default"] > 0
 
 
-def test_stream_with_usage_matches_the_full_response(spec):
-    client = sdk(spec, KEY)
+def client_of(request: pytest.FixtureRequest, name: str) -> openai.OpenAI:
+    """The SDK on the server fixture `name` (the n-gram server asks for KEY)."""
+    return sdk(request.getfixturevalue(name), KEY if name == "spec" else "unused")
+
+
+# the quick tier's API contract runs on the default server; the full suite also on the n-gram one
+SERVERS = tiered(["default", "spec"], {"default"}, promise="api-contract-sdk")
+
+
+@pytest.mark.parametrize("server", SERVERS)
+def test_stream_with_usage_matches_the_full_response(request, server):
+    client = client_of(request, server)
     full = chat(client, COPY_PROMPT, max_tokens=40, temperature=0)
     chunks = list(chat(client, COPY_PROMPT, max_tokens=40, temperature=0, stream=True,
                        stream_options={"include_usage": True}))
@@ -104,8 +122,9 @@ def test_stream_with_usage_matches_the_full_response(spec):
     assert len({c.id for c in chunks}) == 1
 
 
-def test_completion_stream_and_echo(plain):
-    client = sdk(plain)
+@pytest.mark.promise("api-contract-sdk")
+def test_completion_stream_and_echo(default):
+    client = sdk(default)
     chunks = list(client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=6,
                                             temperature=0, stream=True, echo=True))
     text = "".join(c.choices[0].text for c in chunks)
@@ -114,8 +133,10 @@ def test_completion_stream_and_echo(plain):
     assert text == "One, two, three," + full.choices[0].text
 
 
-def test_n_seed_and_stop(plain):
-    client = sdk(plain)
+@pytest.mark.parametrize("server", tiered(["default", "plain"], {"default"},
+                                          promise="api-contract-sdk"))
+def test_n_seed_and_stop(request, server):
+    client = client_of(request, server)
     kw = {"max_tokens": 24, "temperature": 1.0, "seed": 7, "n": 3}
     first = chat(client, "Tell me a short story.", **kw)
     again = chat(client, "Tell me a short story.", **kw)
@@ -131,8 +152,9 @@ def test_n_seed_and_stop(plain):
     assert stopped.message.content == full[:full.index(stop)]
 
 
-def test_chat_logprobs(plain):
-    out = chat(sdk(plain), "Say hello.", max_tokens=5, temperature=0, logprobs=True,
+@pytest.mark.promise("api-contract-sdk")
+def test_chat_logprobs(default):
+    out = chat(sdk(default), "Say hello.", max_tokens=5, temperature=0, logprobs=True,
                top_logprobs=2)
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
@@ -151,6 +173,7 @@ def streamed_logprobs(client: openai.OpenAI, **kw) -> list[tuple]:
             for t in c.choices[0].logprobs.content]
 
 
+@pytest.mark.slow
 def test_logprobs_are_identical_with_and_without_speculation(plain, spec, default):
     """Greedy, streamed: each token's logprob and top alternatives over HTTP are the same numbers
     with n-gram and with the default speculation as without (a verified token's logprobs come
@@ -172,6 +195,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
+@pytest.mark.slow
 def test_response_format_json_with_the_default_speculation(plain, default):
     """JSON schema and JSON object output over HTTP: it parses and matches the schema, greedy text
     is the same with the default speculation as without, and an unenforceable schema is a 400."""
@@ -195,6 +219,7 @@ def test_response_format_json_with_the_default_speculation(plain, default):
     assert "uniqueItems" in caught.value.body["message"]
 
 
+@pytest.mark.slow
 def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(spec, plain):
     """A repeated long prompt under one API key finds its full blocks cached (caching is on by
     default); the output is the same as without caching, and a server started with
@@ -210,8 +235,9 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(spec, plain):
         assert chat(sdk(plain), prompt, max_tokens=4).usage.prompt_tokens_details.cached_tokens == 0
 
 
-def test_per_request_speculation_control(spec):
-    client = sdk(spec, KEY)
+@pytest.mark.parametrize("server", SERVERS)
+def test_per_request_speculation_control(request, server):
+    client = client_of(request, server)
     off = chat(client, COPY_PROMPT, max_tokens=24, temperature=0,
                extra_body={"speculative_decoding": {"enabled": False}})
     capped = chat(client, COPY_PROMPT, max_tokens=24, temperature=0,
@@ -224,33 +250,42 @@ def test_per_request_speculation_control(spec):
         on.choices[0].message.content
 
 
-def test_error_statuses(plain, spec):
-    client = sdk(plain)
+@pytest.mark.promise("api-contract-sdk")
+def test_error_statuses(default):
+    client = sdk(default)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-5", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="exceeds the context") as info:
-        client.completions.create(model=MODEL, prompt="hi", max_tokens=600)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2000)
     assert info.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model=MODEL, prompt="hi", temperature=5)
+    with pytest.raises(openai.BadRequestError, match="above this server's 8"):
+        chat(client, "hi", max_tokens=2,
+             extra_body={"speculative_decoding": {"num_speculative_tokens": 9}})
+    for body in (b"{not json", b'{"prompt": 5}', b'{"prompt": "x", "n": 1000}',
+                 b'{"prompt": "x", "max_tokens": "ten"}', b'{"prompt": "\xff\xfe"}',
+                 b'{"prompt": "\\udcff"}', b'{"prompt": "x", "unknown": 1, "stream": "yes"}'):
+        response = httpx.post(f"{default.api}/completions", content=body,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400, (body, response.text)
+        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.slow
+def test_api_key_errors(spec):
     with pytest.raises(openai.AuthenticationError):
         chat(sdk(spec, "wrong-key"), "hi", max_tokens=2)
     assert httpx.get(f"{spec.api}/models").status_code == 401  # no Authorization header at all
     with pytest.raises(openai.BadRequestError, match="above this server's 4"):
         chat(sdk(spec, KEY), "hi", max_tokens=2,
              extra_body={"speculative_decoding": {"num_speculative_tokens": 9}})
-    for body in (b"{not json", b'{"prompt": 5}', b'{"prompt": "x", "n": 1000}',
-                 b'{"prompt": "x", "max_tokens": "ten"}', b'{"prompt": "\xff\xfe"}',
-                 b'{"prompt": "\\udcff"}', b'{"prompt": "x", "unknown": 1, "stream": "yes"}'):
-        response = httpx.post(f"{plain.api}/completions", content=body,
-                              headers={"content-type": "application/json"})
-        assert response.status_code == 400, (body, response.text)
-        assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
 @pytest.mark.skipif(find_prometheus_binary() is None
                     and not os.environ.get("SPECSERVE_REQUIRE_PROMETHEUS"),
                     reason="needs the prometheus binary (.ci/run installs it)")
+@pytest.mark.slow
 def test_prometheus_scrapes_acceptance_and_block_efficiency(spec):
     client = sdk(spec, KEY)
     with PrometheusServer(f"127.0.0.1:{spec.port}", ready_timeout_s=15) as prometheus:
@@ -264,13 +299,14 @@ def test_prometheus_scrapes_acceptance_and_block_efficiency(spec):
     assert 1.0 < tau <= 5.0
 
 
-def test_readme_examples_work_as_written(plain):
+@pytest.mark.promise("api-contract-sdk")
+def test_readme_examples_work_as_written(default):
     """The curl and SDK examples of README.md, run against this server (only the port differs)."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     curl = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if b.startswith("curl"))
     sdk_example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S)
                        if "from openai import OpenAI" in b)
-    at_port = {"127.0.0.1:8000": f"127.0.0.1:{plain.port}"}
+    at_port = {"127.0.0.1:8000": f"127.0.0.1:{default.port}"}
     result = subprocess.run(["bash", "-c", replace_all(curl, at_port)], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr

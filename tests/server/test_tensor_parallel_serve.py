@@ -24,6 +24,9 @@ from prometheus_server import find_free_port
 
 from engine import LLM, SamplingParams
 
+# two-rank servers: the full suite's
+pytestmark = pytest.mark.slow
+
 PROMPTS = ["The three primary colours are", "def fibonacci(n):\n    \"\"\"Return the n-th",
            "Translate to French: the cat sleeps on the red sofa. Answer:"]
 MAX_TOKENS = 32

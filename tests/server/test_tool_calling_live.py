@@ -38,9 +38,10 @@ NO_SPECULATION = {"speculative_decoding": {"enabled": False}}
 
 
 @pytest.fixture(scope="module")
-def client():
-    with LiveServer(["--max-model-len", "1024"]) as server:
-        yield openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=120)
+def client(embedded_server: LiveServer):
+    """`specserve serve` as README starts it, shared with the other modules that need it."""
+    return openai.OpenAI(base_url=embedded_server.api, api_key="unused", max_retries=0,
+                         timeout=120)
 
 
 def ask(client, messages=ASK, **kw):
