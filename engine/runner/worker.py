@@ -28,6 +28,7 @@ from engine.runner.ranks import start_rank_processes, stop_rank_processes
 from engine.runner.sharding import ShardPlan, intermediate_unit, shard_spec, shard_weights
 from engine.step.scheduler_output import SchedulerOutput
 from engine.step.types import ForwardInput, SampledTokens
+from kernels.cpu_extension import build_cpu_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class Worker:
             # NOTE: cuDNN's SDPA builds a plan for every new KV length: measured 1.9 ms of CPU per call,
             # 60% of a decode step on an H100 (benchmarks/profile_step.py); the other backends need none
             torch.backends.cuda.enable_cudnn_sdp(False)
+        if self.device.type == "cpu":  # NOTE: a first start compiles them, side by side, before
+            build_cpu_libraries()      # this node's other ranks start and look for them
         # the other ranks of this node (rank 0 only), and the group every rank joins
         self.rank_processes: list[subprocess.Popen] = []
         self.tp_group: TensorParallelGroup | None = None
