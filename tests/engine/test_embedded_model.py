@@ -1,6 +1,6 @@
 """The real embedded SmolLM2-135M-Instruct as served by default, its Q4_1/Q8_0 weights kept packed:
 greedy tokens equal transformers' (float32 on the dequantized weights), alone and batched, and
-equal the float32-expanded engine's."""
+equal the float32-expanded engine's. Speculation on the real model: test_real_model_lossless.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.models.loader import embedded_gguf_path
 from engine.models.reference_model import load_transformers_model
 
 CONVERSATIONS = [
@@ -19,6 +18,8 @@ CONVERSATIONS = [
                                  "of the cell; it makes ATP through oxidative phosphorylation."}],
 ]
 MAX_TOKENS = 32
+# two float32 models of the real one, transformers' generate: the full suite's
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -66,32 +67,6 @@ def test_greedy_matches_transformers_alone_and_batched(llm, reference, prompts):
     for prompt, want, got_batched, got_alone in zip(prompts, expected, batched, alone):
         for got in (got_batched, got_alone):
             assert got == want, top2_gap_at_mismatch(reference, prompt, got, want)
-
-
-def test_ngram_speculation_keeps_greedy_tokens(llm, prompts):
-    spec = LLM(None, num_threads=2, max_model_len=1024,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 5})
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts]
-    plain = [o.outputs[0].token_ids for o in llm.generate(requests, greedy)]
-    outs = spec.generate(requests, greedy)
-    assert [o.outputs[0].token_ids for o in outs] == plain
-    assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 0
-
-
-def test_draft_model_proposer_on_the_real_model(llm, prompts):
-    """The target as its own draft: every draft is accepted, so the draft's own paged KV and its
-    rollback bookkeeping are right on the real model, and greedy tokens are unchanged."""
-    draft = embedded_gguf_path()
-    spec = LLM(None, num_threads=2, max_model_len=1024,
-               speculative_config={"method": "draft_model", "model": draft,
-                                   "num_speculative_tokens": 3})
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    requests = [{"prompt_token_ids": p} for p in prompts[:2]]
-    plain = [o.outputs[0].token_ids for o in llm.generate(requests, greedy)]
-    outs = spec.generate(requests, greedy)
-    assert [o.outputs[0].token_ids for o in outs] == plain
-    assert all(o.spec_stats.draft_acceptance_rate == 1.0 for o in outs)
 
 
 def test_logprobs_come_from_the_target_distribution(llm, reference, prompts):

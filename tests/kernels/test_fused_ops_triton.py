@@ -14,7 +14,6 @@ the elements.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from sm90_compile import run_compile_script
 
 from engine.models.llama import RMSNorm, apply_rotary
 
@@ -322,14 +322,9 @@ REGISTERS_PER_SM = 65536
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Compile every kernel for sm_90 in a fresh process: the interpreter flag must be off there."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton_cache")))
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def compiled() -> dict[str, dict]:
+    """Every kernel compiled for sm_90 (tests/helpers/sm90_compile.py)."""
+    return run_compile_script(COMPILE_SCRIPT, timeout=300)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

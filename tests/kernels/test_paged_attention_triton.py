@@ -5,7 +5,6 @@ that are not powers of two, padding sequences), and a compile for sm_90 without 
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import random
 import subprocess
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sm90_compile import run_compile_script
 
 import engine.runner.attention as attention
 from engine.runner.attention import build_attention_metadata, torch_paged_attention
@@ -219,14 +219,9 @@ print(json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Every variant compiled in a fresh process: the interpreter flag must be off there."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton_cache")))
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def compiled() -> dict[str, dict]:
+    """Every variant compiled for sm_90 (tests/helpers/sm90_compile.py)."""
+    return run_compile_script(COMPILE_SCRIPT, timeout=600)
 
 
 # H100's shared memory per block, at most

@@ -5,14 +5,12 @@ compiler rejects, such as `break`)."""
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from sm90_compile import run_compile_script
 
 from kernels.bench_rejection import random_inputs
 from kernels.rejection_reference import rejection_sample as reference
@@ -236,15 +234,9 @@ print(json.dumps(result))
 
 
 @pytest.fixture(scope="module")
-def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Compile every kernel variant in a fresh process: the interpreter flag must be off there."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton_cache")),
-               TRITON_DEFAULT_FP_FUSION="0")
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def compiled() -> dict[str, dict]:
+    """Every kernel variant compiled for sm_90 (tests/helpers/sm90_compile.py)."""
+    return run_compile_script(COMPILE_SCRIPT, timeout=300, TRITON_DEFAULT_FP_FUSION="0")
 
 
 VARIANTS = ["final_q", "final_one_hot", "accept_q_fp32", "accept_one_hot_fp64", "accept_all_greedy"]

@@ -5,14 +5,12 @@ target (the interpreter accepts code that the compiler rejects)."""
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from sm90_compile import run_compile_script
 
 from kernels.tree_rejection import random_tree_inputs
 from kernels.tree_rejection import tree_rejection_sample_reference as reference
@@ -210,16 +208,10 @@ print(json.dumps(result))
 """
 
 
-def test_compiles_to_ptx_for_sm90_without_fused_multiply_adds(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_compiles_to_ptx_for_sm90_without_fused_multiply_adds() -> None:
     """In a fresh process, where the interpreter flag is off; the residual's writes are followed by
     a barrier (the q and one-hot variants), and no float op flushes subnormals or fuses."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton_cache")))
-    proc = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    compiled = json.loads(proc.stdout.strip().splitlines()[-1])
+    compiled = run_compile_script(COMPILE_SCRIPT, timeout=300)
     for name, facts in compiled.items():
         assert facts["ptx"] and not facts["fma"] and not facts["ftz"], name
     assert compiled["q_fp64"]["barriers"] > 0 and compiled["one_hot_fp32"]["barriers"] > 0
