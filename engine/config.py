@@ -9,16 +9,15 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    # float64 exists for tests: greedy ties can never flip on rounding there
-    "float64": torch.float64,
-}
+# NOTE: torch is imported where a value needs it, not here: the HTTP process validates these
+# configs before it starts the engine process, and importing torch first would delay that start.
+# The dtypes by torch's names; float64 exists for tests: greedy ties can never flip on rounding there
+DTYPES = ("float32", "float16", "bfloat16", "float64")
 # what runs attention, the norms, rotary and SiLU-and-multiply of a model on CUDA: "torch" = torch ops
 # and SDPA over a gathered copy of the context (measured on GPUs, docs/perf.md); "triton" =
 # specserve's Triton kernels (kernels/), tested under the interpreter and compiled for sm_90
@@ -28,6 +27,12 @@ GPU_KERNELS = ("torch", "triton")
 QUANTIZATION_MODES = ("auto", "none")
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16",
                  "bf16": "bfloat16", "fp64": "float64", "double": "float64"}
+
+
+def _cuda_is_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ class ModelConfig:
             raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
+        if self.device.startswith("cuda") and not _cuda_is_available():
             raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA device")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
@@ -73,6 +78,8 @@ class ModelConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
@@ -87,9 +94,11 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return DTYPES[DTYPE_ALIASES.get(self.dtype, self.dtype)]
+        return getattr(torch, DTYPE_ALIASES.get(self.dtype, self.dtype))
 
 
 @dataclass(frozen=True)
@@ -190,3 +199,4 @@ class ParallelConfig:
         """The ranks this node runs."""
         first = self.node_rank * self.ranks_per_node
         return range(first, first + self.ranks_per_node)
+

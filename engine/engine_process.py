@@ -36,6 +36,9 @@ logger = logging.getLogger("specserve.engine")
 
 # how long an idle engine waits for a message before checking that its parent is still alive
 IDLE_POLL_MS = 200
+# how long a failing engine waits for the server to take its EngineFailed: the server may still be
+# importing (it starts the engine first, server/engine_launch.py) and bind its socket after
+FAILURE_LINGER_MS = 10_000
 # how often an engine with nothing to step but a grammar compiling looks for the compile's end
 COMPILE_POLL_MS = 2
 
@@ -50,6 +53,7 @@ def run_engine_process(args: EngineArgs, input_address: str, output_address: str
     outbox = context.socket(zmq.PUSH)
     outbox.connect(output_address)
     core = None
+    linger_ms = 1000
     try:
         core = EngineCore(*args.configs(), parallel_config=args.parallel_config())
         outbox.send(encode(_ready_message(core)))
@@ -58,11 +62,12 @@ def run_engine_process(args: EngineArgs, input_address: str, output_address: str
         message = f"{type(error).__name__}: {error}"
         logger.error("engine failed: %s\n%s", message, traceback.format_exc())
         outbox.send(encode(EngineFailed(message)))
+        linger_ms = FAILURE_LINGER_MS
         raise SystemExit(1) from error
     finally:
         if core is not None:
             core.close()
-        outbox.close(linger=1000)
+        outbox.close(linger=linger_ms)
         inbox.close(linger=0)
         context.term()
 

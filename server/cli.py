@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     _add_serve_parser(commands)
-    from engine.training.train_speculator import add_arguments as add_training_arguments
+    from engine.training.arguments import add_arguments as add_training_arguments
 
     add_training_arguments(commands.add_parser(
         "train-speculator", help="train an MLP speculator on the model's own answers"))
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve_parser(commands) -> None:
     from engine.spec_config import DEFAULT_SERVE_SPECULATIVE_CONFIG
-    from server.tools.conventions import PARSERS
+    from server.tools.parser_names import TOOL_CALL_PARSER_NAMES
 
     serve = commands.add_parser("serve", help="serve the OpenAI API (default: the embedded model)")
     serve.add_argument("--model", default=None,
@@ -95,7 +95,7 @@ def _add_serve_parser(commands) -> None:
                        help="open HTTP connections beyond this get 503 and are closed")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
-    serve.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+    serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
                        help="how tool calls are written and parsed (default: from the chat "
                             "template; hermes for a template that knows no tools)")
     parallel = serve.add_argument_group(
@@ -123,7 +123,6 @@ def run_serve(args: argparse.Namespace) -> int:
     api_keys = resolve_api_keys(args.api_key, args.api_key_file, os.environ)
 
     from engine.engine_args import EngineArgs
-    from server.serve import ServerArgs, serve
 
     engine_args = EngineArgs(
         model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
@@ -154,6 +153,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--read-timeout must be positive, got {args.read_timeout}")
     if args.max_connections < 1:
         raise ValueError(f"--max-connections must be at least 1, got {args.max_connections}")
+    # NOTE: the engine process starts now, and loads the model while this process imports the
+    # HTTP side (FastAPI, uvicorn, the tokenizer): nothing heavy is imported before this line
+    from server.engine_launch import launch_engine
+
+    launch = launch_engine(engine_args)
+    from server.serve import ServerArgs, serve
+
     server_args = ServerArgs(host=args.host, port=args.port, api_keys=api_keys,
                              read_timeout=args.read_timeout, max_connections=args.max_connections,
                              served_model_name=args.served_model_name,
@@ -161,7 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
                              drain_timeout=args.drain_timeout, log_level=args.log_level,
                              max_body_bytes=int(args.max_body_mib * 2**20),
                              tool_call_parser=args.tool_call_parser)
-    return asyncio.run(serve(engine_args, server_args))
+    return asyncio.run(serve(engine_args, server_args, launch))
 
 
 def resolve_api_keys(flags: list[str] | str | None, key_file: str | None,

@@ -21,7 +21,6 @@ import zmq
 import zmq.asyncio
 
 from engine.engine_args import EngineArgs
-from engine.engine_process import run_engine_process
 from engine.messages import (
     AbortRequests,
     AddRequest,
@@ -36,6 +35,7 @@ from engine.messages import (
     encode,
 )
 from engine.sampling_params import SamplingParams
+from server.engine_launch import EngineLaunch, launch_engine
 
 logger = logging.getLogger("specserve.server")
 
@@ -64,7 +64,10 @@ class RequestFailedError(RuntimeError):
 
 class EngineClient:
     def __init__(self, args: EngineArgs, on_stats: Callable[[StepStats], None] | None = None,
-                 on_dead: Callable[[], None] | None = None) -> None:
+                 on_dead: Callable[[], None] | None = None,
+                 launch: EngineLaunch | None = None) -> None:
+        """`launch`: the engine process, if started already (server/engine_launch.py); start()
+        starts it otherwise."""
         self.args = args
         self.on_stats = on_stats
         self.on_dead = on_dead
@@ -79,7 +82,9 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         # abort_soon's sends, referenced until done so they are not garbage-collected mid-flight
         self._pending_sends: set[asyncio.Task] = set()
-        self._socket_dir = tempfile.mkdtemp(prefix="specserve-ipc-")
+        self._launch = launch
+        self._socket_dir = tempfile.mkdtemp(prefix="specserve-ipc-") if launch is None \
+            else launch.socket_dir
         self._context = zmq.asyncio.Context()
         self._to_engine = self._context.socket(zmq.PUSH)
         self._from_engine = self._context.socket(zmq.PULL)
@@ -94,16 +99,12 @@ class EngineClient:
         return None if self._process is None else self._process.pid
 
     async def start(self, timeout: float = 900.0) -> EngineReady:
-        """Spawn the engine process and wait until it has loaded the model and says so."""
-        input_address = f"ipc://{self._socket_dir}/input"
-        output_address = f"ipc://{self._socket_dir}/output"
-        self._to_engine.bind(input_address)
-        self._from_engine.bind(output_address)
-        # NOTE: spawn, not fork: the child must not inherit the event loop or its sockets
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, name="specserve-engine", daemon=True,
-            args=(self.args, input_address, output_address, os.getpid()))
-        self._process.start()
+        """Start the engine process (unless it was launched already) and wait until it has loaded
+        the model and says so."""
+        launch = self._launch = self._launch or launch_engine(self.args, self._socket_dir)
+        self._to_engine.bind(launch.input_address)
+        self._from_engine.bind(launch.output_address)
+        self._process = launch.process
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:

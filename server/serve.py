@@ -21,6 +21,7 @@ from server.api_key import key_tenant
 from server.app import ServerState, build_app
 from server.body_limit import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT
 from server.engine_client import EngineClient
+from server.engine_launch import EngineLaunch
 from server.http_protocol import DEFAULT_MAX_CONNECTIONS, limited_h11_protocol
 from server.metrics import ServerMetrics
 from server.openai_serving import OpenAIServing
@@ -104,21 +105,26 @@ class EngineCallbacks:
             self.server.should_exit = True
 
 
-async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
-    """Run until stopped; returns the process exit code."""
+async def serve(engine_args: EngineArgs, server_args: ServerArgs,
+                launch: EngineLaunch | None = None) -> int:
+    """Run until stopped; returns the process exit code. `launch`: the engine process, if started
+    already (server/engine_launch.py)."""
     # NOTE: the engine keeps OpenMP's default wait policy (a short spin, then sleep) and one
     # thread per usable core (engine/cpu_threads.py). OMP_WAIT_POLICY=PASSIVE, set here before,
     # made every decode step ~27% slower (each of a step's ~1,000 parallel ops woke sleeping
     # threads), which was the whole gap between the server and the offline engine; it only pays
     # when another busy process shares the cores (docs/perf.md), and the variable is still obeyed.
     callbacks = EngineCallbacks()
-    client = EngineClient(engine_args, on_stats=callbacks.on_stats, on_dead=callbacks.on_dead)
+    client = EngineClient(engine_args, on_stats=callbacks.on_stats, on_dead=callbacks.on_dead,
+                          launch=launch)
+    # NOTE: the tokenizer loads on a thread while the engine loads the model
+    tokenizer_loaded = asyncio.ensure_future(asyncio.to_thread(load_tokenizer, engine_args.model))
     try:
         ready = await client.start()
         name = served_model_name(engine_args, server_args)
         metrics = ServerMetrics(name, ready.speculative_method, ready.num_speculative_tokens)
         callbacks.metrics = metrics
-        tokenizer = await asyncio.to_thread(load_tokenizer, engine_args.model)
+        tokenizer = await tokenizer_loaded
         serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests,
                                 server_args.tool_call_parser)
         state = ServerState(client, serving, metrics, server_args.api_keys,
@@ -149,4 +155,8 @@ async def serve(engine_args: EngineArgs, server_args: ServerArgs) -> int:
             return 1
         return 0
     finally:
+        if not tokenizer_loaded.done():  # NOTE: the engine failed first; its error is the one told
+            tokenizer_loaded.cancel()
+        elif not tokenizer_loaded.cancelled():
+            tokenizer_loaded.exception()  # NOTE: marks a failure seen, if the engine's was raised
         await client.shutdown()

@@ -299,22 +299,6 @@ def hold_out_prompts(sequences: list[tuple[list[int], int]],
             [seq for seq, key in zip(sequences, keys) if key not in held])
 
 
-def add_eagle_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("eagle")
-    group.add_argument("--draft-vocab-size", type=int, default=4096,
-                       help="tokens the head can propose: the target's most frequent choices")
-    group.add_argument("--unroll-steps", type=int, default=3,
-                       help="drafting steps trained together (training-time test)")
-    group.add_argument("--window", type=int, default=128, help="positions per training window")
-    group.add_argument("--feature-weight", type=float, default=1.0,
-                       help="weight of the feature regression beside the distribution loss")
-    group.add_argument("--answers-per-prompt", type=int, default=1,
-                       help="answers generated per prompt: the first greedy, the rest sampled")
-    group.add_argument("--answer-only-loss", action="store_true",
-                       help="score only answer positions in the loss, as EAGLE does (default: "
-                            "every position; the agreement counts answers either way)")
-
-
 def check_eagle_arguments(args: argparse.Namespace) -> None:
     """Before the slow part: bad numbers fail at once, naming the flag."""
     for flag, value, least in (("--draft-vocab-size", args.draft_vocab_size, 1),

@@ -28,8 +28,9 @@ from engine.llm import LLM
 from engine.models.reference_model import load_transformers_model
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from engine.sampling_params import SamplingParams
+from engine.training.arguments import add_arguments
 from engine.training.prompts import build_documents, build_prompts
-from engine.training.train_eagle import add_eagle_arguments, check_eagle_arguments, run_eagle
+from engine.training.train_eagle import check_eagle_arguments, run_eagle
 
 # the methods train_eagle.py trains
 EAGLE_METHODS = ("eagle", "eagle3")
@@ -175,30 +176,6 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, help="folder to write the speculator to")
-    parser.add_argument("--method", choices=("mlp_speculator", "eagle", "eagle3"),
-                        default="mlp_speculator",
-                        help="what to train (the --speculative-config method it serves)")
-    parser.add_argument("--model", default=None,
-                        help="the target: HF folder or .gguf (default: the embedded SmolLM2)")
-    parser.add_argument("--num-prompts", type=int, default=96)
-    parser.add_argument("--max-tokens", type=int, default=128, help="answer length per prompt")
-    parser.add_argument("--num-stages", type=int, default=3, help="most draft tokens per step")
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="examples per step (default: MLP 128 positions, EAGLE 8 windows)")
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
-    parser.add_argument("--documents", action="store_true",
-                        help="also train on standard-library documentation read as the model's own "
-                             "answer (more data, no generation cost): the MLP where the text agrees "
-                             "with its greedy choices, EAGLE at every position of it, labelled by the "
-                             "target")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
-    add_eagle_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
