@@ -21,9 +21,13 @@ from prometheus_server import PrometheusServer, find_prometheus_binary
 
 # NOTE: CI sets SPECSERVE_REQUIRE_PROMETHEUS=1 (.ci/run installs the package), so there a missing
 # binary fails instead of skipping
-pytestmark = pytest.mark.skipif(
-    find_prometheus_binary() is None and not os.environ.get("SPECSERVE_REQUIRE_PROMETHEUS"),
-    reason="needs the prometheus binary (apt-get install -y prometheus; .ci/run installs it)")
+# a live server of its own: the full suite's
+pytestmark = [
+    pytest.mark.skipif(
+        find_prometheus_binary() is None and not os.environ.get("SPECSERVE_REQUIRE_PROMETHEUS"),
+        reason="needs the prometheus binary (apt-get install -y prometheus; .ci/run installs it)"),
+    pytest.mark.slow,
+]
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # What Grafana puts in for its built-in variables on a short time range. Any window works as long

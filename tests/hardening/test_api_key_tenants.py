@@ -8,6 +8,9 @@ import openai
 import pytest
 from live_server import LiveServer
 
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
+
 KEY_A, KEY_B, KEY_FROM_FILE = "sk-tenant-a", "sk-tenant-b", "sk-tenant-c"
 # long enough for several 16-token blocks
 PROMPT = ("The quarterly report covers revenue, churn, hiring plans, the office move, the audit "

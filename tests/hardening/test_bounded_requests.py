@@ -22,6 +22,9 @@ from live_server import LiveServer
 from server.api_requests import MAX_CHOICES_PER_REQUEST, MAX_MESSAGES, MAX_STOP_TOKEN_IDS
 from server.body_limit import MAX_JSON_VALUES
 
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
+
 # NOTE: generous: the loop must never stall for seconds; ~100 ms is the design target, measured by
 # benchmarks/bench_health_under_flood.py
 HEALTH_BOUND_SECONDS = 2.0

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from engine_kill import kill_engine_under_load
 from live_server import LiveServer, assert_health_is_503, engine_pid, launcher_exiting_late
 from openai_errors import assert_openai_error
+
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
 
 # generous deadlines: they prove requests end, not how fast (benchmarks/bench_engine_kill.py
 # measures that)

@@ -13,6 +13,9 @@ import httpx
 import pytest
 from live_server import LiveServer
 
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
+
 READ_TIMEOUT = 1.5
 MAX_CONNECTIONS = 6
 

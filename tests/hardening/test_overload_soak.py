@@ -16,6 +16,9 @@ from live_server import LiveServer
 from openai_errors import assert_openai_error
 from tiny_chat_model import VOCAB_SIZE
 
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
+
 SEED = 20261123
 NUM_REQUESTS = 80
 # the first requests arrive together (surely beyond the queue), the rest spread over the window

@@ -17,6 +17,9 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 from tiny_chat_model import VOCAB_SIZE
 
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
+
 MAX_MODEL_LEN = 512
 # the server answers fast only if generated requests ask for little: larger values are kept to
 # these (huge ones are tested on their own in test_malformed_input.py)

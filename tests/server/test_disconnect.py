@@ -40,6 +40,9 @@ from live_server import LiveServer
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_chat_model import build_tiny_chat_checkpoint
 
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
+
 MAX_MODEL_LEN = 4096
 # leaves room for the chat template's prompt; at a few hundred tokens/s, run to completion a
 # request takes over ten seconds, while a client's departure is noticed within a second at most

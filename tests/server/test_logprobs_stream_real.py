@@ -18,6 +18,9 @@ from bigram_drafters import write_bigram_eagle3_head
 from live_server import LiveServer
 from tiny_chat_model import build_tiny_chat_checkpoint
 
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
+
 PROMPT = "Count the apples, the pears and the plums."
 MAX_TOKENS = 24
 

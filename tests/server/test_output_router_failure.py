@@ -20,6 +20,9 @@ from engine.engine_args import EngineArgs
 from engine.sampling_params import SamplingParams
 from server.engine_client import EngineClient, EngineDeadError
 
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
+
 DEADLINE_S = 30.0
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 

@@ -12,6 +12,9 @@ import pytest
 from live_server import LiveServer
 from tiny_chat_model import build_tiny_chat_checkpoint
 
+# a live server of its own: the full suite's
+pytestmark = pytest.mark.slow
+
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                     "prompt_lookup_max": 3})
 # repeats itself, so prompt lookup drafts from the first step

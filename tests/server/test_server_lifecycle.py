@@ -15,11 +15,13 @@ import httpx
 import pytest
 from live_server import LiveServer, engine_pid
 
+from server.cli import main
+
 # generous deadlines: they prove a request ends, not how fast (speed is measured elsewhere)
 DEADLINE_S = 60
 
 
-@pytest.mark.parametrize("flags, message", [
+BAD_FLAGS = [
     (["--speculative-config", '{"method": "nope", "num_speculative_tokens": 2}'], "nope"),
     (["--speculative-config", "{not json"], "JSON"),
     (["--max-num-seqs", "0"], "max_num_seqs"),
@@ -28,8 +30,27 @@ DEADLINE_S = 60
     (["--quantization", "q4"], "--quantization"),
     (["--port", "70000"], "--port"),
     (["--max-body-mib", "0"], "--max-body-mib"),
-])
-def test_bad_flags_fail_at_start_up(flags, message):
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS)
+def test_bad_flags_fail_at_start_up(flags, message, capsys, monkeypatch):
+    """In this process (each check runs before the engine process would start): exit code 2 and
+    the message, no traceback."""
+    import server.engine_launch
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError(f"{flags} reached the engine's launch")
+
+    monkeypatch.setattr(server.engine_launch, "launch_engine", no_launch)
+    assert main(["serve", *flags]) == 2
+    stderr = capsys.readouterr().err
+    assert message in stderr and "Traceback" not in stderr
+
+
+def test_the_real_command_exits_2_on_a_bad_flag():
+    """`python -m server.cli serve` as a deployment runs it: the exit code reaches the shell."""
+    flags, message = BAD_FLAGS[0]
     result = subprocess.run([sys.executable, "-m", "server.cli", "serve", *flags],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
@@ -44,6 +65,7 @@ def spec_methods(server: LiveServer) -> dict[str, float]:
             for s in family.samples if s.name == "specserve:spec_decode_num_speculative_tokens"}
 
 
+@pytest.mark.slow
 def test_plain_serve_speculates_with_adaptive_suffix_and_none_turns_it_off(tiny_llama):
     prompt = completion([1, 5, 9, 13, 2, 7, 5, 9, 13, 2], 24)
     for flags, expected in (([], {"suffix": 8}), (["--speculative-config", "none"], {"none": 0})):
@@ -60,6 +82,7 @@ def completion(token_ids: list[int], max_tokens: int, **extra) -> dict:
             **extra}
 
 
+@pytest.mark.slow
 def test_full_queue_answers_429_with_retry_after(tiny_llama):
     with LiveServer(["--model", tiny_llama, "--dtype", "float32", "--max-model-len", "512",
                      "--max-num-seqs", "1", "--max-waiting-requests", "2"]) as server:
@@ -81,6 +104,7 @@ def test_full_queue_answers_429_with_retry_after(tiny_llama):
                           timeout=DEADLINE_S).status_code == 200
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(tiny_llama):
     with LiveServer(["--model", tiny_llama, "--dtype", "float32", "--max-model-len", "512",
                      "--drain-timeout", "60"]) as server:
@@ -104,6 +128,7 @@ def test_sigterm_drains_in_flight_requests(tiny_llama):
         assert server.process.wait(DEADLINE_S) == 0
 
 
+@pytest.mark.promise("failure-isolation")
 def test_killed_engine_fails_requests_and_the_server_exits_non_zero(tiny_llama):
     with LiveServer(["--model", tiny_llama, "--dtype", "float32", "--max-model-len", "512"]) as server:
         engine = engine_pid(server.process.pid)
