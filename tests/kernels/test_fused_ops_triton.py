@@ -327,6 +327,7 @@ def compiled() -> dict[str, dict]:
     return run_compile_script(COMPILE_SCRIPT, timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_compiles_for_sm90_within_h100_limits(compiled: dict[str, dict], variant: str) -> None:
     result = compiled[variant]
@@ -341,12 +342,14 @@ def test_compiles_for_sm90_within_h100_limits(compiled: dict[str, dict], variant
     assert result["local_bytes"] == 0
 
 
+@pytest.mark.slow
 def test_norms_divide_and_take_square_roots_as_ieee(compiled: dict[str, dict]) -> None:
     """The GPU's default `/` and sqrt are approximate; the norms ask for round-to-nearest ones."""
     for kernel in ("rms_norm", "add_rms_norm"):
         assert {"div.rn.f32", "sqrt.rn.f32"} <= set(compiled[f"{kernel}-llama_8b-fp32"]["ops"])
 
 
+@pytest.mark.slow
 def test_bfloat16_rounds_to_nearest_on_the_gpu(compiled: dict[str, dict]) -> None:
     """What the bfloat16_rounds_to_nearest fixture gives the interpreter: every op that makes a
     bfloat16 rounds to nearest (cvt.rn, or mul.rn / sub.rn, which LLVM folds a float32 op and its

@@ -228,6 +228,7 @@ def compiled() -> dict[str, dict]:
 SM90_SHARED_MEMORY_BYTES = 232448
 
 
+@pytest.mark.slow
 def test_compiles_for_sm90_within_shared_memory(compiled: dict[str, dict]) -> None:
     assert len(compiled) == 36 + 4  # 4 with a tree mask
     for name, variant in compiled.items():
@@ -235,6 +236,7 @@ def test_compiles_for_sm90_within_shared_memory(compiled: dict[str, dict]) -> No
         assert 0 < variant["shared"] <= SM90_SHARED_MEMORY_BYTES, (name, variant["shared"])
 
 
+@pytest.mark.slow
 def test_half_precision_products_use_tensor_cores(compiled: dict[str, dict]) -> None:
     for name, variant in compiled.items():
         if not name.removeprefix("tree-").startswith("fp32"):

@@ -242,6 +242,7 @@ def compiled() -> dict[str, dict]:
 VARIANTS = ["final_q", "final_one_hot", "accept_q_fp32", "accept_one_hot_fp64", "accept_all_greedy"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_compiles_to_ptx_for_sm90_without_fused_multiply_adds(compiled: dict[str, dict],
                                                               variant: str) -> None:
@@ -249,6 +250,7 @@ def test_compiles_to_ptx_for_sm90_without_fused_multiply_adds(compiled: dict[str
     assert not compiled[variant]["fma"]
 
 
+@pytest.mark.slow
 def test_the_draw_converts_as_torch_does(compiled: dict[str, dict]) -> None:
     """Probabilities to fixed point and u * total to an integer truncate (rzi), and the total becomes
     a double by round-to-nearest (rn), as torch's .to() does: the GPU finds the reference's token."""

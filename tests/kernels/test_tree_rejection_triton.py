@@ -208,6 +208,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.slow
 def test_compiles_to_ptx_for_sm90_without_fused_multiply_adds() -> None:
     """In a fresh process, where the interpreter flag is off; the residual's writes are followed by
     a barrier (the q and one-hot variants), and no float op flushes subnormals or fuses."""
