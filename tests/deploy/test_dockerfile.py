@@ -81,7 +81,8 @@ def test_entrypoint_listens_on_all_interfaces_at_the_exposed_port(dockerfile, py
     args = build_parser().parse_args([*target.specserve_args(), *DOCKER_RUN_ARGS])
     assert (args.command, args.host) == ("serve", "0.0.0.0")
     assert target.one("EXPOSE") == str(args.port)
-    assert f"http://127.0.0.1:{args.port}/health" in " ".join(target.healthcheck_command())
+    # the probe reads the port from the server's own command line (see the healthcheck tests)
+    assert target.healthcheck_command() == ["python", "-m", "server.healthcheck"]
     assert args.model == "/models/x"
 
 
@@ -114,11 +115,27 @@ def health_endpoint(status: int) -> Iterator[int]:
         server.server_close()
 
 
-def run_healthcheck(target, port: int) -> int:
-    """The HEALTHCHECK command as Docker would run it, pointed at `port` instead of 8000."""
-    command = [part.replace(":8000/", f":{port}/") for part in target.healthcheck_command()]
+@contextmanager
+def server_command_line(target, *extra: str) -> Iterator[int]:
+    """A stand-in process whose command line is the image's ENTRYPOINT plus `extra` (what `docker
+    run IMAGE ...extra` runs); yields its pid, for the probe to read the flags from."""
+    entrypoint = target.exec_form("ENTRYPOINT")
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                                *entrypoint, *extra])
+    try:
+        yield process.pid
+    finally:
+        process.kill()
+        process.wait()
+
+
+def run_healthcheck(target, pid: int) -> int:
+    """The HEALTHCHECK command as Docker would run it, reading the server's flags from `pid` (in a
+    container: PID 1, tini, which the probe looks at first)."""
+    command = target.healthcheck_command()
     assert command[0] == "python"
-    result = subprocess.run([sys.executable, *command[1:]], capture_output=True, timeout=10)
+    result = subprocess.run([sys.executable, *command[1:], "--pid", str(pid)],
+                            capture_output=True, timeout=30, cwd=ROOT)
     return result.returncode
 
 
@@ -127,11 +144,48 @@ def test_healthcheck_passes_on_200_and_fails_on_503_or_no_server(dockerfile, nam
     target = dockerfile.stage(name)
     options = target.healthcheck_options()
     assert options["timeout"] == "5s" and "start-period" in options
+    with health_endpoint(200) as port, server_command_line(target, "--port", str(port)) as pid:
+        assert run_healthcheck(target, pid) == 0
+    with health_endpoint(503) as port, server_command_line(target, "--port", str(port)) as pid:
+        assert run_healthcheck(target, pid) != 0
+    with server_command_line(target, "--port", str(port)) as pid:
+        assert run_healthcheck(target, pid) != 0  # nothing listens there any more
+
+
+def test_healthcheck_follows_the_port_given_after_the_image(dockerfile):
+    """`docker run --network host IMAGE --port P`: the ENTRYPOINT's --port 8000 comes first, the
+    user's last, and the server (argparse) takes the last; so must the probe."""
+    target = dockerfile.stage("cpu")
     with health_endpoint(200) as port:
-        assert run_healthcheck(target, port) == 0
-    with health_endpoint(503) as port:
-        assert run_healthcheck(target, port) != 0
-    assert run_healthcheck(target, port) != 0  # nothing listens there any more
+        assert port != 8000
+        with server_command_line(target, "--port", str(port)) as pid:
+            assert run_healthcheck(target, pid) == 0
+        with server_command_line(target, f"--port={port}", "--host", "127.0.0.1") as pid:
+            assert run_healthcheck(target, pid) == 0
+        with server_command_line(target) as pid:  # the image's own 8000: not this server
+            assert run_healthcheck(target, pid) != 0
+
+
+def test_cpu_stage_compiles_the_kernels_for_a_named_baseline_into_the_image(dockerfile):
+    from kernels.cpu_extension import ARCH_FLAGS
+
+    target = dockerfile.stage("cpu")
+    env = " ".join(target.all("ENV"))
+    arch = dockerfile.global_args["CPU_KERNEL_ARCH"]
+    assert arch in ARCH_FLAGS  # a level whose features are checked before loading
+    assert "SPECSERVE_CPU_ARCH=${CPU_KERNEL_ARCH}" in env
+    prebuilt = re.search(r"SPECSERVE_PREBUILT_KERNELS=(\S+)", env).group(1)
+    runs = [n for n, i in enumerate(target.instructions)
+            if i.keyword == "RUN" and "build_cpu_libraries" in i.arguments]
+    assert len(runs) == 1
+    build = target.instructions[runs[0]].arguments
+    # built as root (before USER) into the folder the runtime reads, not under the cache (which a
+    # volume may cover); a kernel that fails to build fails the image
+    users = [n for n, i in enumerate(target.instructions) if i.keyword == "USER"]
+    assert runs[0] < min(users)
+    cache = re.search(r"SPECSERVE_CACHE_DIR=(\S+)", build).group(1)
+    assert f"{cache}/cpu_kernels" == prebuilt and not prebuilt.startswith("/home/")
+    assert "SPECSERVE_REQUIRE_CPU_KERNELS=1" in build
 
 
 def dockerignore_includes(relative_path: str) -> bool:
