@@ -18,6 +18,7 @@ from bigram_drafters import (
     write_bigram_mlp_speculator,
 )
 from char_tokenizer import save_char_tokenizer
+from tiers import tiered
 
 from engine import LLM, SamplingParams
 from engine.core import EngineCore
@@ -110,7 +111,8 @@ def stop_inside_a_block(tokenizer, prompt: list[int], blocks: list[list[int]]):
     return None
 
 
-@pytest.mark.parametrize("method", METHODS)
+# NOTE: the quick tier runs n-gram drafting; the full suite every method and tree
+@pytest.mark.parametrize("method", tiered(METHODS, {"ngram"}))
 def test_a_stop_string_inside_an_accepted_block(target, plain_outputs, plain, method, request):
     spec = LLM(target, **ENGINE, speculative_config=speculative_config(method, target, request))
     cases = []
