@@ -235,6 +235,7 @@ def drafts_proposed(llm: LLM) -> dict[str, list[list[int]]]:
     return seen
 
 
+@pytest.mark.slow
 def test_a_cached_prefix_gives_the_same_drafts(target, head, expected):
     """The fused features of a cached prefix come from beside its blocks: the drafts themselves
     (which a random head derives from every feature it has read) equal those of an engine that

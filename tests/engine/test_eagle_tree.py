@@ -270,6 +270,7 @@ def test_tree_passes_leave_the_heads_cache_as_chains_do(eagle, monkeypatch):
                                    msg=f"position {position}")
 
 
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_distribution(tmp_path):
     """Output tokens 2 and 3, verified from trees of one-hot drafts: the same distributions with
     and without EAGLE trees (two-sample chi-square over 2000 seeded completions each)."""

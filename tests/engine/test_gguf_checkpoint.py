@@ -192,6 +192,7 @@ def test_other_architectures_are_refused_by_name(tmp_path):
         read_gguf(str(path), torch.float32, packed=True)
 
 
+@pytest.mark.slow
 def test_embedded_model_reads_exactly_as_transformers_loads_it():
     """The one slow test here (~30 s, transformers' whole-model dequantization): every tensor of
     the shipped Q4_1 file, read directly, equals transformers' load of it, bit for bit; its packed

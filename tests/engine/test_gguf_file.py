@@ -86,6 +86,7 @@ def test_a_file_cut_short_or_not_gguf_is_refused(tmp_path):
             read_gguf_layout(str(broken))
 
 
+@pytest.mark.slow
 def test_embedded_file_reads_as_gguf_py_reads_it():
     """The shipped file's 49k-token vocabulary and merges are stepped over, not decoded."""
     assert_same_as_gguf_py(embedded_gguf_path())

@@ -25,7 +25,9 @@ ENGINE_SETUPS = {
 }
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+# NOTE: the quick tier checks the Llama family; the full suite every one
+@pytest.fixture(scope="module", params=["llama", pytest.param("qwen2", marks=pytest.mark.slow),
+                                        pytest.param("mistral", marks=pytest.mark.slow)])
 def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]]]:
     overrides = {"sliding_window": 16} if request.param == "mistral" else {}
     path = build_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, **overrides)

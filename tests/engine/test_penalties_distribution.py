@@ -24,6 +24,9 @@ from scipy.stats import chisquare
 import engine.sample.penalties as penalties_module
 from engine import LLM, SamplingParams
 
+# the penalties' law, token by token, at full power: the full suite's
+pytestmark = pytest.mark.slow
+
 VOCAB = 4
 # diagonal-heavy: without penalties a token likes to follow itself, so drafts repeat tokens
 TARGET_LOGITS = [[0.6, 0.2, 0.0, 0.3],

@@ -12,6 +12,7 @@ from bigram_drafters import (
     build_mostly_bigram_checkpoint,
     write_bigram_mlp_speculator,
 )
+from tiers import tiered
 
 from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
@@ -54,7 +55,8 @@ def mlp_speculator_folder(bigram_target, tmp_path_factory) -> str:
                                        str(tmp_path_factory.mktemp("mlp_speculator")))
 
 
-@pytest.mark.parametrize("method", ["plain", "ngram", "suffix", "draft_model", "mlp_speculator"])
+@pytest.mark.parametrize("method", tiered(["plain", "ngram", "suffix", "draft_model",
+                                           "mlp_speculator"], {"plain", "suffix"}))
 def test_cached_prefixes_are_skipped_and_the_tokens_stay(tiny_llama, expected, method, request):
     """The draft model keeps its own KV and recomputes the prefix itself: never stale. The MLP
     speculator reads only the newest position's feature, which a hit still computes (the block

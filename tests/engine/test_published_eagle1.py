@@ -169,6 +169,7 @@ def test_greedy_is_lossless_and_drafts_are_proposed(target, head):
     assert all(o.spec_stats.num_draft_tokens > 0 for o in outs)
 
 
+@pytest.mark.slow
 def test_sampled_distribution_is_unchanged(tmp_path):
     """Token 3 of the output, mostly verified from the head's drafts: the same distribution with
     and without speculation (two-sample chi-square over 2000 seeded completions each)."""

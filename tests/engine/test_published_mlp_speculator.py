@@ -164,6 +164,7 @@ def test_greedy_is_lossless_and_drafts_are_proposed(target, speculator):
     assert all(len(o.spec_stats.accepted_per_position) <= 3 for o in outs)
 
 
+@pytest.mark.slow
 def test_sampled_distribution_is_unchanged(tmp_path):
     """Token 3 of the output, mostly verified from the speculator's drafts: the same distribution
     with and without speculation (two-sample chi-square over 2000 seeded completions each)."""
