@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 
 import transformers
@@ -81,9 +82,13 @@ def _build_cache(gguf_path: str, target: str) -> None:
             return
         tmp = tempfile.mkdtemp(prefix=".convert-", dir=root)
         try:
-            logger.warning("converting %s's config and tokenizer once (cache %s)",
-                           os.path.basename(gguf_path), target)
+            logger.warning("converting %s's config and tokenizer (a few seconds; this happens "
+                           "once, later starts read them from %s)", os.path.basename(gguf_path),
+                           target)
+            start = time.perf_counter()
             write_metadata_folder(gguf_path, tmp)
+            logger.warning("converted %s's config and tokenizer in %.1f s",
+                           os.path.basename(gguf_path), time.perf_counter() - start)
             os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is meant to be shared
             try:
                 os.rename(tmp, target)

@@ -6,6 +6,7 @@ tests/engine/test_gguf_checkpoint.py."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -219,6 +220,21 @@ def test_cache_is_built_once_atomically(tmp_path: Path, monkeypatch: pytest.Monk
     assert str(os.path.getsize(embedded_gguf_path())) in os.path.basename(first)
     # no temp conversion folder is left behind
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [os.path.basename(first)]
+
+
+def test_the_first_conversion_says_what_it_does_and_that_it_happens_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gguf_cache, "write_metadata_folder", fake_converter([]))
+    with caplog.at_level(logging.WARNING, logger=gguf_cache.__name__):
+        folder = loader.prepare_embedded_cache()
+    first = [record.getMessage() for record in caplog.records]
+    assert any("converting" in m and "happens once" in m and folder in m for m in first)
+    assert any(m.startswith("converted") for m in first)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=gguf_cache.__name__):
+        loader.prepare_embedded_cache()
+    assert not caplog.records  # a later start reads the cache and says nothing
 
 
 def test_cache_race_lost_uses_the_winner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
