@@ -18,8 +18,9 @@ from tiny_chat_model import build_tiny_chat_checkpoint
 from tiny_models import build_tiny_checkpoint
 
 # `--quick`, the `slow` and `promise` markers, and the check that every promise stays quick;
-# live servers shared by the session (server_pool, embedded_server)
-pytest_plugins = ["tiers", "shared_servers"]
+# live servers and the embedded model shared by the session (server_pool, embedded_server,
+# embedded_llm, embedded_reference)
+pytest_plugins = ["tiers", "shared_servers", "shared_models"]
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.models.reference_model import load_transformers_model
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -23,16 +22,13 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    llm = LLM(None, num_threads=2, max_model_len=1024)
-    assert llm.engine.worker.memory.packed_weight_bytes > 90e6  # the default: packed Q4_1 / Q8_0
-    return llm
+def llm(embedded_llm) -> LLM:
+    return embedded_llm
 
 
 @pytest.fixture(scope="module")
-def reference() -> transformers.PreTrainedModel:
-    # exactly the GGUF's dequantized weights (tests/engine/test_gguf_checkpoint.py)
-    return load_transformers_model(None, torch.float32)
+def reference(embedded_reference) -> transformers.PreTrainedModel:
+    return embedded_reference
 
 
 @pytest.fixture(scope="module")

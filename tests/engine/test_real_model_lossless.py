@@ -62,9 +62,9 @@ PERTURBATION = 0.15  # the relative noise on the weights of the draft model that
 
 
 @pytest.fixture(scope="module")
-def plain() -> LLM:
-    """No speculation and a roomy KV cache: the reference."""
-    return LLM(None, num_threads=NUM_THREADS, max_model_len=MAX_MODEL_LEN)
+def plain(embedded_llm) -> LLM:
+    """No speculation and a roomy KV cache: the reference (shared by the session)."""
+    return embedded_llm
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +83,9 @@ def expected(plain, prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(embedded_reference):
     """The target in transformers, float32: features and labels for the heads."""
-    return load_reference(None)
+    return embedded_reference
 
 
 # ---- small heads, trained for a few seconds on the reference answers ---------------------------
