@@ -147,11 +147,7 @@ def load_cpu_library(source_name: str) -> bool:
 def _load_cpu_library(source_name: str) -> bool:
     if not cpu_kernels_enabled():
         return False
-    missing = missing_cpu_features(cpu_arch())
-    if missing:
-        logger.warning("this CPU lacks %s, which %s=%s needs: CPU kernel %s is built for this "
-                       "machine (-march=native) instead", ", ".join(missing), CPU_ARCH_ENV,
-                       cpu_arch(), source_name)
+    _warn_if_baseline_unusable(cpu_arch())
     arch, folders = _build_plan(source_name)
     for folder in folders:
         library = _ready_library(folder, source_name)
@@ -159,6 +155,14 @@ def _load_cpu_library(source_name: str) -> bool:
             torch.ops.load_library(str(library))
             return True
     return _build(source_name, arch, folders[-1])
+
+
+@functools.cache
+def _warn_if_baseline_unusable(arch: str) -> None:
+    missing = missing_cpu_features(arch)
+    if missing:
+        logger.warning("this CPU lacks %s, which %s=%s needs: the CPU kernels are built for this "
+                       "machine (-march=native) instead", ", ".join(missing), CPU_ARCH_ENV, arch)
 
 
 def _build(source_name: str, arch: str, build_dir: Path) -> bool:
