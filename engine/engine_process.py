@@ -47,6 +47,7 @@ def run_engine_process(args: EngineArgs, input_address: str, output_address: str
                        parent_pid: int) -> None:
     """Entry point of the engine process (multiprocessing target)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("engine process: loading the model")
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
     inbox.connect(input_address)

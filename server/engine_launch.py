@@ -4,6 +4,7 @@ HTTP side (FastAPI, the tokenizer) while the engine loads the model."""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import tempfile
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 
 from engine.engine_args import EngineArgs
 from engine.process_main import run_engine_process
+
+logger = logging.getLogger("specserve.server")
 
 
 @dataclass(frozen=True)
@@ -33,4 +36,6 @@ def launch_engine(args: EngineArgs, socket_dir: str | None = None) -> EngineLaun
         target=run_engine_process, name="specserve-engine", daemon=True,
         args=(args, input_address, output_address, os.getpid()))
     process.start()
+    logger.info("engine process %d started: it loads %s while this process starts the HTTP side",
+                process.pid, args.model or "the embedded model")
     return EngineLaunch(process, socket_dir, input_address, output_address)
