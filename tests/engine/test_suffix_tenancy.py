@@ -142,6 +142,7 @@ def test_llm_shares_drafts_within_a_tenant_only(tiny_llama, unrepeating, scope):
         assert all(s.num_accepted_draft_tokens > 0 for s in others)
 
 
+@pytest.mark.slow
 def test_engine_process_forwards_the_salt(tiny_llama, unrepeating):
     """The salt crosses the queue to the engine process (server/engine_client.py)."""
     prompt, expected = unrepeating

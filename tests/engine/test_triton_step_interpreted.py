@@ -15,6 +15,9 @@ os.environ["TRITON_INTERPRET"] = "1"
 interpreter = pytest.importorskip("triton.runtime.interpreter")
 from kernels import fused_ops_triton, paged_attention_triton  # noqa: E402
 
+# the GPU step's Triton kernels through the whole engine under the interpreter: the full suite's
+pytestmark = pytest.mark.slow
+
 if not isinstance(paged_attention_triton._paged_attention_kernel, interpreter.InterpretedFunction):
     importlib.reload(paged_attention_triton)
     importlib.reload(fused_ops_triton)

@@ -362,6 +362,7 @@ def test_bfloat16_rounds_to_nearest_on_the_gpu(compiled: dict[str, dict]) -> Non
 
 # ---- the benchmark script ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_benchmark_smoke_run_covers_every_op() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "kernels.bench_fused_ops", "--smoke"], cwd=ROOT,
@@ -373,6 +374,7 @@ def test_benchmark_smoke_run_covers_every_op() -> None:
         assert any(row and row[0] == op for row in rows), proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_benchmark_without_cuda_or_interpreter_exits_with_2() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -245,6 +245,7 @@ def test_half_precision_products_use_tensor_cores(compiled: dict[str, dict]) -> 
 
 # ---- the benchmark script ------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_benchmark_runs_end_to_end_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_paged_attention_triton",
@@ -256,6 +257,7 @@ def test_the_benchmark_runs_end_to_end_under_the_interpreter():
     assert all(float(row[-1]) < 1e-4 for row in rows)  # the kernel agrees with torch there too
 
 
+@pytest.mark.slow
 def test_the_benchmark_refuses_to_run_without_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_paged_attention_triton"],

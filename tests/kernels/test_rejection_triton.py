@@ -163,6 +163,7 @@ def test_no_drafts(num_drafts: list[int]) -> None:
     assert out.shape == (len(num_drafts), 1)
 
 
+@pytest.mark.slow
 def test_first_token_follows_target_distribution() -> None:
     """Rows of k = 2 drafts drawn from q; the first emitted token must follow p (chi-square)."""
     gen = torch.Generator().manual_seed(0)

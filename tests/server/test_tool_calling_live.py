@@ -64,6 +64,7 @@ def test_required_makes_a_valid_call(client) -> None:
     assert choice.message.tool_calls[0].id.startswith("call_")
 
 
+@pytest.mark.slow
 def test_required_with_parallel_calls_may_make_several(client) -> None:
     response = ask(client, tool_choice="required", max_tokens=100)
     message = response.choices[0].message
@@ -71,12 +72,14 @@ def test_required_with_parallel_calls_may_make_several(client) -> None:
     assert len({c.id for c in message.tool_calls}) == len(message.tool_calls)
 
 
+@pytest.mark.slow
 def test_named_function_is_the_one_called(client) -> None:
     response = ask(client, tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert [name for name, _ in calls_of(response.choices[0].message)] == ["get_time"]
     assert response.choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.slow
 def test_none_answers_in_words_without_seeing_the_tools(client) -> None:
     response = ask(client, tool_choice="none")
     with_tools = ask(client, tool_choice="auto", max_tokens=1)
@@ -85,12 +88,14 @@ def test_none_answers_in_words_without_seeing_the_tools(client) -> None:
     assert response.usage.prompt_tokens < with_tools.usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_auto_call_is_parsed_from_the_text(client) -> None:
     response = ask(client, RETRY)
     assert calls_of(response.choices[0].message) == [("get_weather", {"city": "Paris"})]
     assert response.choices[0].finish_reason == "tool_calls"
 
 
+@pytest.mark.slow
 def test_auto_output_that_is_no_call_comes_back_as_content(client) -> None:
     response = ask(client, BROKEN)
     message = response.choices[0].message
@@ -98,6 +103,7 @@ def test_auto_output_that_is_no_call_comes_back_as_content(client) -> None:
     assert response.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("messages, kw", [
     (ASK, {"tool_choice": "required", "parallel_tool_calls": False}),
     (ASK, {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
@@ -129,6 +135,7 @@ def test_streamed_deltas_add_up_to_the_response(client, messages, kw) -> None:
         assert argument_chunks >= 2
 
 
+@pytest.mark.slow
 def test_two_turn_loop_call_result_answer(client) -> None:
     first = ask(client, tool_choice="required", parallel_tool_calls=False).choices[0].message
     call = first.tool_calls[0]
@@ -140,6 +147,7 @@ def test_two_turn_loop_call_result_answer(client) -> None:
     assert answer.finish_reason in ("stop", "length")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("messages, kw", [
     (ASK, {"tool_choice": "required", "max_tokens": 100}),
     (ASK, {"tool_choice": {"type": "function", "function": {"name": "get_time"}}}),
