@@ -205,8 +205,8 @@ def build_cpu_libraries(names: list[str] | None = None) -> dict[str, bool]:
     if not cpu_kernels_enabled():
         return dict.fromkeys(names, False)
     to_build = [name for name in names if not _is_ready(name)]
-    if not to_build:
-        return {name: load_cpu_library(name) for name in names}
+    if not to_build or shutil.which(os.environ.get("CXX", "c++")) is None:
+        return {name: load_cpu_library(name) for name in names}  # NOTE: each says why not
     workers = max(1, min(len(to_build), os.cpu_count() or 1))
     logger.warning("compiling specserve's CPU kernels (-march=%s): %s, %d at a time; this "
                    "happens once, later starts load them from %s", _build_plan(to_build[0])[0],
