@@ -19,8 +19,8 @@ from tiny_models import build_tiny_checkpoint
 
 # `--quick`, the `slow` and `promise` markers, and the check that every promise stays quick;
 # live servers and the embedded model shared by the session (server_pool, embedded_server,
-# embedded_llm, embedded_reference)
-pytest_plugins = ["tiers", "shared_servers", "shared_models"]
+# embedded_llm, embedded_reference); two xdist workers that share the cores politely
+pytest_plugins = ["tiers", "shared_servers", "shared_models", "parallel_workers"]
 
 
 @pytest.fixture(scope="session")

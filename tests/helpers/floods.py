@@ -22,11 +22,14 @@ def stop_ids_flood_body() -> bytes:
 
 
 def deep_schema_body(levels: int = DEEP_SCHEMA_LEVELS) -> bytes:
-    schema: dict = {"type": "string"}
-    for _ in range(levels // 2):
-        schema = {"type": "object", "properties": {"a": schema}}
-    return json.dumps({"prompt": "Hi", "max_tokens": 1, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}).encode()
+    """Written out as text: json.dumps would recurse once per level, past the interpreter's limit
+    in a caller that already sits deep in the stack (an xdist worker collecting a module)."""
+    nesting = levels // 2
+    schema = '{"type": "object", "properties": {"a": ' * nesting + '{"type": "string"}' + \
+        "}}" * nesting
+    body = ('{"prompt": "Hi", "max_tokens": 1, "response_format": {"type": "json_schema", '
+            '"json_schema": {"name": "deep", "schema": ' + schema + "}}}")
+    return body.encode()
 
 
 def huge_prompt_body(num_chars: int = 12 * 2**20) -> bytes:
