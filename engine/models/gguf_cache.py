@@ -18,8 +18,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
-
-import transformers
+from importlib import metadata
 
 from engine.disk_cache import cache_root
 from engine.models.gguf_checkpoint import read_gguf_config
@@ -36,7 +35,8 @@ def metadata_cache_dir(gguf: str | GGUFLayout) -> str:
     layout = read_gguf_layout(gguf) if isinstance(gguf, str) else gguf
     with open(layout.path, "rb") as file:
         header = file.read(layout.data_start)
-    digest = hashlib.sha256(header + transformers.__version__.encode()).hexdigest()[:16]
+    # NOTE: the installed version, as transformers.__version__ says, without importing it (seconds)
+    digest = hashlib.sha256(header + metadata.version("transformers").encode()).hexdigest()[:16]
     return f"{_float32_cache_dir(layout.path)}-{digest}-meta"
 
 
@@ -54,6 +54,8 @@ def write_metadata_folder(gguf_path: str, out_dir: str) -> None:
     read_gguf_config(gguf_path).save_pretrained(out_dir)
     if TOKENIZER_KEY not in read_gguf_layout(gguf_path).metadata:
         return
+    import transformers
+
     folder, name = os.path.split(gguf_path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         folder, gguf_file=name, local_files_only=True

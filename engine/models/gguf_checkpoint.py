@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import gguf
 import numpy as np
 import torch
-import transformers
 
 from engine.models.gguf_file import GGUFLayout, GGUFTensor, read_gguf_layout
 from engine.models.packed_weight import PACKED_FORMATS, PackedWeight
+
+if TYPE_CHECKING:
+    import transformers
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +92,8 @@ def read_gguf_config(path: str) -> transformers.PretrainedConfig:
     """The config transformers builds from this file's metadata, with `architectures` filled in
     (the metadata has no such key; a saved config.json then loads without guessing)."""
     folder, name = os.path.split(os.path.abspath(path))
+    import transformers
+
     hf_config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name,
                                                         local_files_only=True)
     if not getattr(hf_config, "architectures", None):

@@ -3,7 +3,8 @@
 Weights can come back packed (GGUF blocks, bf16/f16 bytes) for the CPU kernels, or expanded to a
 dtype. A GGUF (the embedded default, SmolLM2-135M-Instruct Q4_1, included) is read from the file
 on every start; only its config and tokenizer (converting them takes seconds) are cached, once
-(engine/models/gguf_cache.py).
+(engine/models/gguf_cache.py). Read back from that cache, with the tokenizer deferred, a GGUF loads
+without importing transformers (engine/models/config_snapshot.py), which a warm start cannot afford.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
-import transformers
 from safetensors import safe_open
 from tqdm import tqdm
 
+from engine.models.config_snapshot import can_snapshot, read_snapshot, write_snapshot
 from engine.models.gguf_cache import TOKENIZER_KEY, prepare_metadata_cache
 from engine.models.gguf_checkpoint import (
     Weight,
@@ -30,6 +32,9 @@ from engine.models.gguf_checkpoint import (
 )
 from engine.models.gguf_file import GGUFLayout, read_gguf_layout
 from engine.models.packed_weight import PackedWeight
+
+if TYPE_CHECKING:
+    import transformers
 
 logger = logging.getLogger(__name__)
 
@@ -50,10 +55,13 @@ class Checkpoint:
     # packed, PackedWeight for 2-D weights kept as the file holds them and float32 tensors else.
     # NOTE: "lm_head.weight" is absent when the embeddings are tied; the model reuses embed_tokens.
     weights: dict[str, Weight]
-    tokenizer: transformers.PreTrainedTokenizerBase | None  # None only for a folder without one
+    # None for a folder without one, or while deferred (tokenizer_source)
+    tokenizer: transformers.PreTrainedTokenizerBase | None
     source: str  # human-readable origin, for logs and /v1/models
     # the weights read as one tensor-parallel rank's part only (`part_of` below); the rest are whole
     partial: frozenset[str] = frozenset()
+    # loaded with defer_tokenizer: what loads the tokenizer when it is first needed
+    tokenizer_source: Callable[[], transformers.PreTrainedTokenizerBase | None] | None = None
 
 
 # which part of a Hugging Face-named weight to read: ("rows" | "columns", range), None for all of it
@@ -62,7 +70,7 @@ WeightPart = Callable[[str], "tuple[str, range] | None"]
 
 def load_checkpoint(model: str | None, dtype: torch.dtype, packed: bool = False,
                     part_of: Callable[[transformers.PretrainedConfig], WeightPart] | None = None,
-                    ) -> Checkpoint:
+                    defer_tokenizer: bool = False) -> Checkpoint:
     """Load `--model`; None means the embedded SmolLM2-135M-Instruct. Never touches the hub.
 
     packed=True keeps 2-D weights stored as GGUF blocks (engine.models.packed_weight's
@@ -73,6 +81,10 @@ def load_checkpoint(model: str | None, dtype: torch.dtype, packed: bool = False,
     tensor-parallel rank's, engine/runner/sharding.py). A safetensors folder is then read part by
     part, so a rank never holds the whole model; a GGUF is read whole (its tensors are sliced
     after). `Checkpoint.partial` names the weights read in part.
+
+    defer_tokenizer: a GGUF read from its cache leaves the tokenizer to `tokenizer_source` (the
+    engine process needs it only to compile a response_format grammar); `hf_config` may then be a
+    ConfigSnapshot, whose attributes are the config's.
     """
     path = embedded_gguf_path() if model is None else os.path.abspath(os.path.expanduser(model))
     if os.path.isdir(path):
@@ -81,7 +93,7 @@ def load_checkpoint(model: str | None, dtype: torch.dtype, packed: bool = False,
     if path.endswith(".gguf"):
         if not os.path.isfile(path):
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        return _load_gguf(path, dtype, packed)
+        return _load_gguf(path, dtype, packed, defer_tokenizer)
     if not os.path.exists(path):
         raise FileNotFoundError(f"model path not found: {path}; {_MODEL_ARG_HELP}")
     raise ValueError(f"{path} is neither a folder nor a .gguf file; {_MODEL_ARG_HELP}")
@@ -130,6 +142,8 @@ def _load_hf_folder(path: str, dtype: torch.dtype, packed: bool, source: str,
             f"no *.safetensors file in {path} (pytorch_model.bin is not supported); "
             f"{_MODEL_ARG_HELP}"
         )
+    import transformers
+
     hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     part = None if part_of is None else part_of(hf_config)
     weights, partial = _read_safetensors(shards, dtype, packed, part)
@@ -139,6 +153,8 @@ def _load_hf_folder(path: str, dtype: torch.dtype, packed: bool, source: str,
 
 def _folder_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase | None:
     if any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        import transformers
+
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return None
 
@@ -176,7 +192,8 @@ def _progress_disabled() -> bool:
 # ---------------------------------------------------------------- GGUF files
 
 
-def _load_gguf(path: str, dtype: torch.dtype, packed: bool) -> Checkpoint:
+def _load_gguf(path: str, dtype: torch.dtype, packed: bool, defer_tokenizer: bool = False
+               ) -> Checkpoint:
     """Config and tokenizer from the file's cache folder, weights from the file itself."""
     layout = read_gguf_layout(path)
     check_architecture(layout)  # before converting anything
@@ -188,12 +205,38 @@ def _load_gguf(path: str, dtype: torch.dtype, packed: bool) -> Checkpoint:
         hf_config = read_gguf_config(path)
         tokenizer = _gguf_tokenizer(layout)
     else:
-        hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-        hf_config.name_or_path = os.path.dirname(path)  # as read from the file, not the cache
-        tokenizer = _folder_tokenizer(folder)
+        hf_config = _cached_config(folder, path) if defer_tokenizer else None
+        if hf_config is None:
+            import transformers
+
+            hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+            hf_config.name_or_path = os.path.dirname(path)  # as read from the file, not the cache
+            _save_config(folder, hf_config)
         source = f"{source}, cache {folder}"
+        if defer_tokenizer:
+            weights = read_gguf_weights(layout, hf_config, dtype, packed)
+            return Checkpoint(hf_config, weights, None, source=source,
+                              tokenizer_source=lambda: _folder_tokenizer(folder))
+        tokenizer = _folder_tokenizer(folder)
     weights = read_gguf_weights(layout, hf_config, dtype, packed)
     return Checkpoint(hf_config, weights, tokenizer, source=source)
+
+
+def _cached_config(folder: str, path: str) -> Any:
+    """The config snapshot in the cache folder, if it was taken from this file's config."""
+    snapshot = read_snapshot(folder)
+    if snapshot is None or getattr(snapshot, "_name_or_path", None) != os.path.dirname(path):
+        return None  # NOTE: a copy of the file elsewhere shares the folder, not the name_or_path
+    return snapshot
+
+
+def _save_config(folder: str, hf_config: Any) -> None:
+    """Snapshot the config for the next warm start (engine/models/config_snapshot.py)."""
+    if can_snapshot(hf_config):
+        try:
+            write_snapshot(folder, hf_config)
+        except OSError as error:  # a read-only cache: the next start reads config.json again
+            logger.info("config snapshot not written to %s (%s)", folder, error)
 
 
 def _metadata_folder(layout: GGUFLayout) -> str | None:
@@ -211,6 +254,8 @@ def _gguf_tokenizer(layout: GGUFLayout) -> transformers.PreTrainedTokenizerBase 
     (as for a folder)."""
     if TOKENIZER_KEY not in layout.metadata:
         return None
+    import transformers
+
     folder, name = os.path.split(layout.path)
     return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
 

@@ -80,8 +80,13 @@ class Worker:
             self.tp_group = self._join_ranks(model_config, cache_config, parallel)
         self.weights_packed = model_config.keep_weights_packed
         checkpoint = load_checkpoint(model_config.model, self.dtype, packed=self.weights_packed,
-                                     part_of=self._rank_part if self.tp_group else None)
-        self.tokenizer = checkpoint.tokenizer
+                                     part_of=self._rank_part if self.tp_group else None,
+                                     defer_tokenizer=True)
+        # NOTE: the engine reads the tokenizer only to compile a response_format grammar, so a
+        # start need not import transformers for it (the `tokenizer` property loads it then)
+        self._tokenizer = checkpoint.tokenizer
+        self._tokenizer_source = checkpoint.tokenizer_source
+        self._tokenizer_lock = threading.Lock()
         # what was loaded, in words (logs and the server's start-up line)
         self.source = checkpoint.source
         self.hf_config = checkpoint.hf_config
@@ -120,6 +125,14 @@ class Worker:
                     "%s", self.source, self.arch.num_layers, self.dtype, self.device,
                     self.linear_backend, self.kv_spec.num_blocks, self.kv_spec.block_size,
                     self.memory.describe())
+
+    @property
+    def tokenizer(self):  # -> transformers.PreTrainedTokenizerBase | None
+        """The model's tokenizer (None if it has none), loaded at first use where deferred."""
+        with self._tokenizer_lock:  # NOTE: grammars compile on other threads
+            if self._tokenizer_source is not None:
+                self._tokenizer, self._tokenizer_source = self._tokenizer_source(), None
+        return self._tokenizer
 
     def _keep_this_ranks_share(self, checkpoint: Checkpoint) -> tuple[Checkpoint, ShardPlan]:
         """This rank's shard of every weight, and the split (the tables drafters read are first

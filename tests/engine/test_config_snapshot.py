@@ -1,0 +1,77 @@
+"""A warm engine start reads the GGUF's config from a snapshot of plain values and defers the
+tokenizer, so it never imports transformers; the snapshot must give the engine exactly the model the
+transformers config gives (same LlamaArch, same weights), and a config the snapshot cannot stand for
+(a scaled rope) is never snapshotted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from engine.models import config_snapshot, loader
+from engine.models.arch import LlamaArch
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_the_snapshot_gives_the_same_model_as_the_transformers_config(cache_dir):
+    eager = loader.load_checkpoint(None, torch.float32, packed=True)  # converts, then snapshots
+    warm = loader.load_checkpoint(None, torch.float32, packed=True, defer_tokenizer=True)
+    assert isinstance(eager.hf_config, transformers.PretrainedConfig)
+    assert isinstance(warm.hf_config, config_snapshot.ConfigSnapshot)
+    assert LlamaArch.from_hf_config(warm.hf_config) == LlamaArch.from_hf_config(eager.hf_config)
+    assert warm.hf_config.to_dict() == eager.hf_config.to_dict()
+    assert warm.weights.keys() == eager.weights.keys()
+    for name, weight in eager.weights.items():
+        other = warm.weights[name]
+        assert torch.equal(getattr(weight, "data", weight), getattr(other, "data", other)), name
+    # the tokenizer comes when asked for, and is the eager one
+    assert warm.tokenizer is None and warm.tokenizer_source is not None
+    tokenizer = warm.tokenizer_source()
+    text = "The capital of France is"
+    assert tokenizer(text)["input_ids"] == eager.tokenizer(text)["input_ids"]
+    assert tokenizer.chat_template == eager.tokenizer.chat_template
+
+
+def test_a_warm_engine_load_imports_no_transformers(cache_dir):
+    loader.load_checkpoint(None, torch.float32, packed=True)  # the first start: cache + snapshot
+    code = ("import sys, torch\n"
+            "from engine.models.loader import load_checkpoint\n"
+            "c = load_checkpoint(None, torch.float32, packed=True, defer_tokenizer=True)\n"
+            "print(type(c.hf_config).__name__, 'transformers' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "SPECSERVE_CACHE_DIR": str(cache_dir)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["ConfigSnapshot", "False"]
+
+
+@pytest.mark.parametrize("rope, can", [
+    ({"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}, True),
+    ({"rope_parameters": {"rope_theta": 1e5}}, True),
+    ({}, True),
+    ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}}, False),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, False),
+])
+def test_only_a_default_rope_is_snapshotted(rope, can):
+    assert config_snapshot.can_snapshot(SimpleNamespace(**rope)) is can
+
+
+def test_an_unreadable_or_foreign_snapshot_is_ignored(tmp_path):
+    assert config_snapshot.read_snapshot(str(tmp_path)) is None
+    path = tmp_path / config_snapshot.SNAPSHOT_NAME
+    path.write_text("{not json")
+    assert config_snapshot.read_snapshot(str(tmp_path)) is None
+    path.write_text('{"format": 999, "config": {"vocab_size": 1}}')
+    assert config_snapshot.read_snapshot(str(tmp_path)) is None
+    config_snapshot.write_snapshot(str(tmp_path), SimpleNamespace(to_dict=lambda: {"a": 1}))
+    assert config_snapshot.read_snapshot(str(tmp_path)).to_dict() == {"a": 1}
