@@ -107,7 +107,7 @@ def load_tokenizer(model: str | None) -> transformers.PreTrainedTokenizerBase | 
         return _folder_tokenizer(path)
     layout = read_gguf_layout(path)
     folder = _metadata_folder(layout)
-    return _gguf_tokenizer(layout) if folder is None else _folder_tokenizer(folder)
+    return _gguf_tokenizer(layout) if folder is None else _folder_tokenizer(folder, read_snapshot(folder))
 
 
 def embedded_gguf_path() -> str:
@@ -151,11 +151,15 @@ def _load_hf_folder(path: str, dtype: torch.dtype, packed: bool, source: str,
                       source=source, partial=frozenset(partial))
 
 
-def _folder_tokenizer(path: str) -> transformers.PreTrainedTokenizerBase | None:
+def _folder_tokenizer(path: str, config: Any = None) -> transformers.PreTrainedTokenizerBase | None:
+    """`config`: the model's, if at hand (a ConfigSnapshot): AutoTokenizer reads only its
+    model_type, and would otherwise load the config itself, importing LlamaConfig's module chain
+    (seconds; engine/models/config_snapshot.py)."""
     if any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
         import transformers
 
-        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                          config=config)
     return None
 
 
@@ -216,7 +220,7 @@ def _load_gguf(path: str, dtype: torch.dtype, packed: bool, defer_tokenizer: boo
         if defer_tokenizer:
             weights = read_gguf_weights(layout, hf_config, dtype, packed)
             return Checkpoint(hf_config, weights, None, source=source,
-                              tokenizer_source=lambda: _folder_tokenizer(folder))
+                              tokenizer_source=lambda: _folder_tokenizer(folder, hf_config))
         tokenizer = _folder_tokenizer(folder)
     weights = read_gguf_weights(layout, hf_config, dtype, packed)
     return Checkpoint(hf_config, weights, tokenizer, source=source)

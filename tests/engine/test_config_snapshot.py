@@ -75,3 +75,23 @@ def test_an_unreadable_or_foreign_snapshot_is_ignored(tmp_path):
     assert config_snapshot.read_snapshot(str(tmp_path)) is None
     config_snapshot.write_snapshot(str(tmp_path), SimpleNamespace(to_dict=lambda: {"a": 1}))
     assert config_snapshot.read_snapshot(str(tmp_path)).to_dict() == {"a": 1}
+
+
+def test_the_http_process_tokenizer_comes_without_loading_the_config_class(cache_dir):
+    """With the snapshot at hand AutoTokenizer skips loading the config itself (LlamaConfig's
+    module chain, seconds); the tokenizer it builds is the one it builds without."""
+    eager = loader.load_checkpoint(None, torch.float32, packed=True)  # converts, then snapshots
+    light = loader.load_tokenizer(None)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi ünï 日本"}]
+    assert (light.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == eager.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                   add_generation_prompt=True))
+    assert {k: str(v) for k, v in vars(light).items()} == {
+        k: str(v) for k, v in vars(eager.tokenizer).items()}
+    code = ("import sys\n"
+            "from engine.models.loader import load_tokenizer\n"
+            "print(type(load_tokenizer(None)).__name__, 'sympy' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "SPECSERVE_CACHE_DIR": str(cache_dir)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[1] == "False"
