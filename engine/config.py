@@ -51,6 +51,11 @@ class ModelConfig:
     gpu_kernels: str = "torch"
     # one of QUANTIZATION_MODES; see keep_weights_packed for when "auto" packs
     quantization: str = "auto"
+    # True: never capture CUDA graphs (engine/runner/cuda_graphs.py); they apply on CUDA with
+    # gpu_kernels "triton" and one rank, where they are on by default
+    enforce_eager: bool = False
+    # the most sequences a captured decode / verification step holds; larger steps run eagerly
+    cuda_graph_max_seqs: int = 16
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
@@ -66,6 +71,9 @@ class ModelConfig:
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"quantization (--quantization) must be one of "
                              f"{', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}")
+        if self.cuda_graph_max_seqs < 1:
+            raise ValueError(f"cuda_graph_max_seqs must be at least 1, got "
+                             f"{self.cuda_graph_max_seqs}")
         if self.gpu_kernels not in GPU_KERNELS:
             raise ValueError(f"gpu_kernels must be one of {', '.join(GPU_KERNELS)}, "
                              f"got {self.gpu_kernels!r}")

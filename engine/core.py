@@ -68,6 +68,10 @@ class EngineCore:
             else build_proposer(speculative_config, self.worker.target_handle()))
         if self.proposer is not None and self.proposer.target_feature_layers:
             self.worker.capture_aux_hidden(self.proposer.target_feature_layers)
+        # NOTE: after the features are chosen (a graph records them), before calibration (which
+        # then times the steps as they will run)
+        self.worker.capture_step_graphs(scheduler_config.max_num_seqs,
+                                        _chain_draft_len(speculative_config))
         self.adaptive: AdaptiveSpeculation | None = None
         if speculative_config is not None and speculative_config.adaptive:
             self.adaptive = AdaptiveSpeculation(has_soft_drafts=not self.proposer.drafts_for_free,
@@ -329,6 +333,13 @@ class EngineCore:
                                  "freeing its drafter state")
                 if self.adaptive is not None:
                     self.adaptive.free(update.request_id)
+
+
+def _chain_draft_len(speculative_config: SpeculativeConfig | None) -> int:
+    """The most drafts a chain verification holds (0: no speculation, or trees, never captured)."""
+    if speculative_config is None or speculative_config.draft_tree:
+        return 0
+    return speculative_config.num_speculative_tokens
 
 
 def _num_prompt_tokens(scheduled: SchedulerOutput) -> int:

@@ -28,6 +28,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     # "torch" or "triton": what runs attention and the per-layer ops on CUDA (engine/config.py)
     gpu_kernels: str = "torch"
+    # no CUDA graphs (engine/runner/cuda_graphs.py), and the most sequences a graph holds
+    enforce_eager: bool = False
+    cuda_graph_max_seqs: int = 16
     # vLLM-style JSON text or dict (engine/spec_config.py); None or "none" = no speculation
     speculative_config: str | dict[str, Any] | None = None
     # tensor parallelism (engine/config.py's ParallelConfig)
@@ -44,7 +47,9 @@ class EngineArgs:
         return (
             ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
                         max_model_len=self.max_model_len, num_threads=self.num_threads,
-                        gpu_kernels=self.gpu_kernels, quantization=self.quantization),
+                        gpu_kernels=self.gpu_kernels, quantization=self.quantization,
+                        enforce_eager=self.enforce_eager,
+                        cuda_graph_max_seqs=self.cuda_graph_max_seqs),
             CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory_gib,
                         num_blocks=self.num_kv_blocks,
                         enable_prefix_caching=self.enable_prefix_caching),

@@ -82,6 +82,13 @@ def _add_serve_parser(commands) -> None:
                        help="what runs attention, norms, rotary and SiLU on CUDA: torch ops, or "
                             "specserve's Triton kernels (not yet measured on a GPU; default: "
                             "%(default)s)")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="never capture CUDA graphs; by default the target's decode and "
+                            "verification steps replay graphs captured at start-up (on CUDA with "
+                            "--gpu-kernels triton and one rank)")
+    serve.add_argument("--cuda-graph-max-seqs", type=int, default=16,
+                       help="the most sequences a captured step holds; larger steps run "
+                            "eagerly (default: %(default)s)")
     serve.add_argument("--max-waiting-requests", type=int, default=256,
                        help="queued requests before new ones get 429")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
@@ -130,6 +137,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory_gib,
         num_threads=args.num_threads, gpu_kernels=args.gpu_kernels,
+        enforce_eager=args.enforce_eager, cuda_graph_max_seqs=args.cuda_graph_max_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,

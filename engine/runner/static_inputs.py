@@ -93,6 +93,8 @@ class StaticStepInputs:
         self.cu_num_query_tokens = torch.zeros(max_num_seqs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_num_seqs, max_num_blocks_per_seq, dtype=torch.int32,
                                         device=device)
+        # on CUDA: done once the last load's copy has read the staging buffer
+        self._copied: torch.cuda.Event | None = None
 
     def bucket_for(self, query_lens: list[int]) -> StepBucket | None:
         """The smallest bucket that holds the step, or None: run it eagerly."""
@@ -114,6 +116,8 @@ class StaticStepInputs:
                 len(table) > self.max_num_blocks for table in block_tables):
             raise ValueError(f"a step of {num_seqs} sequences and {num_tokens} rows does not fit "
                              f"bucket {bucket} (or a block table is too long)")
+        if self._copied is not None:  # NOTE: the last copy may still be reading the staging
+            self._copied.synchronize()   # buffer when two loads come with no sync between them
         ids, pos, slots, lens, cu, tables = self._host.split(self._sections)
         ids[:num_tokens] = torch.tensor(token_ids)
         ids[num_tokens:bucket.num_tokens] = 0
@@ -134,9 +138,12 @@ class StaticStepInputs:
         tables_2d[:bucket.num_seqs] = 0
         for row, table in enumerate(block_tables):
             tables_2d[row, :len(table)] = torch.tensor(table)
-        # NOTE: the staging buffer is rewritten only by the next step's load, after this step's
-        # sampled tokens came back to the host (the step's one sync), so the copy has finished
+        # NOTE: in the engine the next load comes after this step's sampled tokens came back to
+        # the host (the step's one sync), so the event has fired and waiting on it costs nothing
         self._device.copy_(self._host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         seq_lens64, cu64, tables64 = self._int64_sources
         self.seq_lens.copy_(seq_lens64)
         self.cu_num_query_tokens.copy_(cu64)

@@ -23,6 +23,7 @@ from engine.models.packed_model import packed_bytes
 from engine.models.vocab_heads import build_vocab_heads, vocab_weight_names, vocab_weights
 from engine.proposers.base import TargetHandle
 from engine.runner.collectives import Rendezvous, TensorParallelGroup, free_port
+from engine.runner.cuda_graphs import StepGraphs, graph_query_lens, why_no_graphs
 from engine.runner.paged_runner import PagedRunner
 from engine.runner.ranks import start_rank_processes, stop_rank_processes
 from engine.runner.sharding import ShardPlan, intermediate_unit, shard_spec, shard_weights
@@ -106,13 +107,21 @@ class Worker:
                                            [len(shard.vocab) for shard in plan.shards])
             self.linear_backend += f", tensor-parallel rank {rank} of {self.tp_size}"
         self.kv_spec = self._size_kv_cache(model_config, cache_config, kv_heads)
+        # the target's captured steps (capture_step_graphs); None = every step eager
+        self.step_graphs: StepGraphs | None = None
+        self.enforce_eager = model_config.enforce_eager
+        self.cuda_graph_max_seqs = model_config.cuda_graph_max_seqs
+        # NOTE: static steps (CUDA graphs) need a spare block past the pool for padding rows' K/V
+        self.has_padding_block = (self.gpu_kernels == "triton" and self.tp_group is None
+                                  and not self.enforce_eager)
         # NOTE: one pool per model, so the prefix cache's model identity can stay empty; under
         # tensor parallelism rank 0's pool decides, and every rank writes the same slots
         blocks = BlockManager(self.kv_spec.num_blocks, self.kv_spec.block_size,
                               enable_prefix_caching=cache_config.enable_prefix_caching)
         self.runner = PagedRunner(
-            self.model, allocate_kv_cache(local_arch, self.kv_spec.num_blocks,
-                                          self.kv_spec.block_size, self.dtype, self.device),
+            self.model, allocate_kv_cache(local_arch, self.kv_spec.num_blocks
+                                          + int(self.has_padding_block), self.kv_spec.block_size,
+                                          self.dtype, self.device),
             blocks, self.arch.sliding_window, self.device,
             "triton" if self.gpu_kernels == "triton" else "auto")
         del checkpoint  # the file's tensors now live in the model; the rest is scratch
@@ -250,6 +259,36 @@ class Worker:
                             self.kv_spec.num_blocks, self.kv_spec.block_size,
                             weights_packed=self.weights_packed)
 
+    def capture_step_graphs(self, max_num_seqs: int, num_speculative_tokens: int,
+                            use_cuda_graphs: bool = True) -> None:
+        """At start-up, once the KV cache exists: capture the target's decode steps, and chain
+        verification of `num_speculative_tokens` drafts (0: decode only), for up to
+        min(max_num_seqs, cuda_graph_max_seqs) sequences, where graphs apply (why_no_graphs).
+        `use_cuda_graphs=False` (tests, any device): the same static, padded steps, run eagerly."""
+        reason = why_no_graphs(self.device, self.gpu_kernels, self.enforce_eager, self.tp_size)
+        if not use_cuda_graphs:
+            reason = None if self.has_padding_block else "static steps need gpu_kernels triton"
+        if reason is not None:
+            if self.device.type == "cuda":
+                logger.info("CUDA graphs off: %s", reason)
+            return
+        block_size = self.kv_spec.block_size
+        graphs = StepGraphs(
+            self.model, self.kv_caches, block_size, self.block_manager.block_table,
+            min(max_num_seqs, self.cuda_graph_max_seqs), graph_query_lens(num_speculative_tokens),
+            -(-self.kv_spec.max_model_len // block_size),
+            padding_slot=self.kv_spec.num_blocks * block_size,  # the spare block's first slot
+            sliding_window=self.arch.sliding_window, device=self.device,
+            use_cuda_graphs=use_cuda_graphs)
+        try:
+            graphs.capture()
+        except RuntimeError as error:  # NOTE: slower, but serving: the log says why
+            logger.warning("CUDA graph capture failed, every step runs eagerly "
+                           "(--enforce-eager skips the attempt): %s", error)
+            return
+        self.step_graphs = graphs
+        logger.info("captured %s", graphs.describe())
+
     @torch.inference_mode()
     def execute(self, forward: ForwardInput,
                 logits_indices: torch.Tensor | None = None) -> ModelRunnerOutput:
@@ -258,8 +297,9 @@ class Worker:
         `logits_indices`: those rows already on the device (the step layout's), else made here."""
         if self.tp_group is not None and self.rank == 0:
             self.tp_group.send(("execute", forward))
-        inputs = self.runner.prepare(forward.sequences)
-        hidden = self.runner.run(inputs)
+        hidden = None if self.step_graphs is None else self.step_graphs.run(forward.sequences)
+        if hidden is None:  # a step no graph holds (a prefill, a tree, a big batch): eager
+            hidden = self.runner.run(self.runner.prepare(forward.sequences))
         if self.tp_group is not None and self.rank == 0:
             self.tp_group.forget_received()  # NOTE: this pass's sums needed every rank
         if logits_indices is None:
