@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine import LLM, SamplingParams
 from engine.engine_args import EngineArgs
@@ -148,6 +149,35 @@ def test_a_padded_step_gives_the_rows_of_the_eager_step(static_llm):
     finally:
         for seq_id, _, _ in batch:
             blocks.free(seq_id)
+
+
+# ops that wait for the device (a value read back to the host) or give a shape that depends on
+# data: a CUDA graph can hold none of them (.tolist() and .numpy() show as resolve_conj/_neg)
+HOST_SYNCING_OPS = {"aten._local_scalar_dense", "aten.is_nonzero", "aten.nonzero",
+                    "aten.masked_select", "aten._unique2", "aten.unique_consecutive", "aten.equal",
+                    "aten.item", "aten.resolve_conj", "aten.resolve_neg"}
+
+
+class RecordOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@torch.inference_mode()
+def test_the_captured_forward_never_syncs_the_host(static_llm):
+    """What the GPU captures: the forward over the largest bucket's static buffers."""
+    graphs = static_llm.engine.worker.step_graphs
+    bucket = graphs.buckets[0]
+    step = graphs.inputs.load(bucket, [], [], [], [], [], graphs.block_size)
+    with RecordOps() as recorded:
+        graphs._forward(step)
+    assert "aten.embedding" in recorded.ops and "aten.index_copy_" in recorded.ops
+    assert not recorded.ops & HOST_SYNCING_OPS
 
 
 def test_why_no_graphs():
