@@ -10,6 +10,9 @@ bucket (sequences x query rows, engine/runner/static_inputs.py) and replays it w
                  yes: write its inputs into the static buffers (one copy), replay, keep real rows
                  no:  the eager forward with exact shapes (prefill chunks, trees, big batches)
 
+The choice is by shape alone: a prompt chunk no longer than the bucket's rows (a short prompt, the
+tail of a cached prefix) replays too, since to the kernels it is the same causal rows.
+
 Only the Triton attention path (`gpu_kernels="triton"`) is capturable: it reads the step's metadata
 from device tensors and launches a grid fixed by the bucket. The torch path builds its mask from
 host values and gathers a context whose length follows the step, so with `gpu_kernels="torch"`
