@@ -41,9 +41,9 @@ CPU = torch.device("cpu")
 
 
 def triton_llm(checkpoint, speculative_config=None, **kwargs) -> LLM:
-    return LLM(checkpoint, dtype="float32", max_model_len=128, num_kv_blocks=64, max_num_seqs=4,
-               max_num_batched_tokens=16, gpu_kernels="triton", enable_prefix_caching=False,
-               speculative_config=speculative_config, **kwargs)
+    return LLM(checkpoint, dtype="float32", device="cpu", max_model_len=128, num_kv_blocks=64,
+               max_num_seqs=4, max_num_batched_tokens=16, gpu_kernels="triton",
+               enable_prefix_caching=False, speculative_config=speculative_config, **kwargs)
 
 
 class EagerSteps:
