@@ -64,6 +64,7 @@ def test_graphs_keep_the_eager_greedy_tokens(kernels_on_gpu, no_tf32, tmp_path,
         if enforce_eager:
             assert graphs is None
         else:
+            assert graphs is not None, "nothing captured: see the log's 'CUDA graph' line"
             # captured at start-up: 1, 2, 4, 8 sequences x (1 row, and 1 + k rows when speculating)
             assert len(graphs.captured) == (8 if speculative_config else 4)
             assert all(c.graph is not None for c in graphs.captured.values())
@@ -84,6 +85,7 @@ def test_replayed_steps_give_the_eager_rows(kernels_on_gpu, no_tf32, tmp_path):
     reads its own inputs (no stale metadata) and gives the eager step's rows."""
     llm = cuda_llm(build_tiny_checkpoint(tmp_path, "llama", seed=5), speculative_config=NGRAM)
     worker = llm.engine.worker
+    assert worker.step_graphs is not None, "nothing captured: see the log's 'CUDA graph' line"
     blocks = worker.block_manager
     for cache in worker.kv_caches:
         cache.normal_()
