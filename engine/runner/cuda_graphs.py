@@ -53,7 +53,8 @@ class StepGraphs:
     """The target's captured steps and the choice, per step, between replaying one and eager.
 
     `use_cuda_graphs=False` keeps everything but the graph itself: a "replay" runs the forward
-    eagerly over the same static, padded buffers (how the CPU tests check the padded path)."""
+    eagerly over the same static, padded buffers, with the metadata object built at capture (how
+    the CPU tests check the padded path, and that nothing but the buffers' contents changes)."""
 
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  block_table_of: Callable[[str], list[int]], max_num_seqs: int,
@@ -137,8 +138,8 @@ class StepGraphs:
                                 self.block_size)
         num_rows = step.num_real_tokens
         self.num_replays += 1
-        if captured.graph is None:
-            hidden = self._forward(step)[:num_rows]
+        if captured.graph is None:  # NOTE: the step as captured, as a graph would replay it
+            hidden = self._forward(captured.step)[:num_rows]
             if self.model.aux_hidden_layers:
                 self.model.aux_hidden_states = self.model.aux_hidden_states[:num_rows]
             return hidden
