@@ -26,6 +26,14 @@ from engine import LLM, SamplingParams
 from engine.models.reference_model import load_transformers_model
 from engine.spec_config import DEFAULT_SERVE_SPECULATIVE_CONFIG
 
+# the GPU step's variants, by name: LLM(...) keywords
+VARIANTS = {
+    "torch": {},
+    "triton": {"gpu_kernels": "triton", "enforce_eager": True},
+    "triton+graphs": {"gpu_kernels": "triton"},
+    "invariant": {"batch_invariant": True, "enforce_eager": True},
+    "invariant+graphs": {"batch_invariant": True},
+}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
          "prompt_lookup_max": 4}
 DEFAULT = json.loads(DEFAULT_SERVE_SPECULATIVE_CONFIG)
@@ -134,10 +142,16 @@ def served_float32(args, results: Results, prompts: list[list[int]], tokenizer) 
 
 
 def bf16_matches(args, results: Results, prompts: list[list[int]]) -> None:
+    for variant in args.bf16_variants:
+        bf16_matches_of(args, results, prompts, variant)
+
+
+def bf16_matches_of(args, results: Results, prompts: list[list[int]], variant: str) -> None:
     """bfloat16: each speculation method's tokens against plain decoding's, batched and alone."""
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    plain = LLM(args.model, dtype="bfloat16", device=DEVICE, max_model_len=2048)
+    kwargs = VARIANTS[variant]
+    plain = LLM(args.model, dtype="bfloat16", device=DEVICE, max_model_len=2048, **kwargs)
     want = [o.outputs[0].token_ids for o in plain.generate(batch, params)]
     # alone: a few prompts of each kind, one at a time (each one a stream of its own)
     solo = list(range(0, len(batch), max(1, len(batch) // args.alone)))[:args.alone]
@@ -147,7 +161,7 @@ def bf16_matches(args, results: Results, prompts: list[list[int]]) -> None:
     plain.close()
     for label, config in (("ngram", NGRAM), ("default", DEFAULT)):
         llm = LLM(args.model, dtype="bfloat16", device=DEVICE, max_model_len=2048,
-                  speculative_config=config)
+                  speculative_config=config, **kwargs)
         got = llm.generate(batch, params)
         out[f"{label}_batched_vs_plain_batched"] = sum(
             o.outputs[0].token_ids == w for o, w in zip(got, want))
@@ -156,26 +170,27 @@ def bf16_matches(args, results: Results, prompts: list[list[int]]) -> None:
             o.outputs[0].token_ids == w for o, w in zip(got_alone, alone))
         out[f"{label}_accepted"] = sum(o.spec_stats.num_accepted_draft_tokens for o in got)
         llm.close()
-    results.put("bf16_matches", out)
+    results.put(f"bf16_matches {variant}", out)
 
 
 def speed(args, results: Results, workloads: dict[str, list[int]]) -> None:
     """One stream, bfloat16, greedy, ignore_eos: decode tokens/s after a warm-up run."""
     table = {}
-    reference = load_transformers_model(args.model, torch.bfloat16).to(DEVICE).eval()
-    for kind, prompt in workloads.items():
-        time_transformers(reference, prompt, 16)
-        seconds, _ = time_transformers(reference, prompt, args.speed_tokens)
-        table[f"transformers/{kind}"] = round(args.speed_tokens / seconds, 1)
-    del reference
-    configs = [("plain", None, {}), ("plain triton", None, {"gpu_kernels": "triton"}),
-               ("ngram", NGRAM, {}), ("default", DEFAULT, {})]
-    configs += [(f"{label} {extra}", config, {**kwargs, **{extra: True}})
-                for extra in args.extra_flags for label, config, kwargs in list(configs)]
-    for label, config, kwargs in configs:
+    if args.transformers_speed:
+        reference = load_transformers_model(args.model, torch.bfloat16).to(DEVICE).eval()
+        for kind, prompt in workloads.items():
+            time_transformers(reference, prompt, 16)
+            seconds, _ = time_transformers(reference, prompt, args.speed_tokens)
+            table[f"transformers/{kind}"] = round(args.speed_tokens / seconds, 1)
+        del reference
+    methods = {"plain": None, "ngram": NGRAM, "default": DEFAULT}
+    for label in args.speed_configs:
+        method, variant = label.split(" ")
         try:
+            started = time.perf_counter()
             llm = LLM(args.model, dtype="bfloat16", device=DEVICE, max_model_len=2048,
-                      speculative_config=config, **kwargs)
+                      speculative_config=methods[method], **VARIANTS[variant])
+            table[f"{label}/start_s"] = round(time.perf_counter() - started, 1)
         except (TypeError, ValueError) as error:  # a flag this build does not have
             table[label] = f"skipped: {error}"
             continue
@@ -200,14 +215,19 @@ def main() -> None:
     parser.add_argument("--alone", type=int, default=8, help="prompts also run one at a time")
     parser.add_argument("--workloads", default="code_editing,open_chat")
     parser.add_argument("--parts", default="served,bf16,speed")
-    parser.add_argument("--extra-flags", default="",
-                        help="comma-separated boolean LLM(...) keywords to also time, e.g. "
-                             "enforce_eager")
+    parser.add_argument("--bf16-variants", default="torch",
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--speed-configs",
+                        default="plain torch,plain triton,ngram torch,default torch",
+                        help="comma-separated 'METHOD VARIANT' (plain, ngram or default; a variant)")
+    parser.add_argument("--transformers-speed", action=argparse.BooleanOptionalAction,
+                        default=True)
     parser.add_argument("--device", default="cuda", help="cuda; cpu to smoke-test the script")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
-    args.extra_flags = [f for f in args.extra_flags.split(",") if f]
+    args.bf16_variants = [v for v in args.bf16_variants.split(",") if v]
+    args.speed_configs = [c for c in args.speed_configs.split(",") if c]
     results = Results(args.out)
     llm_tokenizer = LLM(args.model, dtype="bfloat16", device=DEVICE, max_model_len=2048)
     tokenizer = llm_tokenizer.engine.worker.tokenizer

@@ -56,6 +56,9 @@ class ModelConfig:
     enforce_eager: bool = False
     # the most sequences a captured decode / verification step holds; larger steps run eagerly
     cuda_graph_max_seqs: int = 16
+    # every row's numbers independent of its batch (engine/models/batch_invariant.py): greedy
+    # with speculation = without, batched = alone, in bfloat16 too; implies gpu_kernels "triton"
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
@@ -74,6 +77,8 @@ class ModelConfig:
         if self.cuda_graph_max_seqs < 1:
             raise ValueError(f"cuda_graph_max_seqs must be at least 1, got "
                              f"{self.cuda_graph_max_seqs}")
+        if self.batch_invariant and self.gpu_kernels == "torch":
+            object.__setattr__(self, "gpu_kernels", "triton")  # the invariant kernels are Triton's
         if self.gpu_kernels not in GPU_KERNELS:
             raise ValueError(f"gpu_kernels must be one of {', '.join(GPU_KERNELS)}, "
                              f"got {self.gpu_kernels!r}")

@@ -31,6 +31,9 @@ class EngineArgs:
     # no CUDA graphs (engine/runner/cuda_graphs.py), and the most sequences a graph holds
     enforce_eager: bool = False
     cuda_graph_max_seqs: int = 16
+    # rows independent of their batch: greedy speculation = plain decoding in bfloat16 (implies
+    # gpu_kernels "triton"; engine/models/batch_invariant.py)
+    batch_invariant: bool = False
     # vLLM-style JSON text or dict (engine/spec_config.py); None or "none" = no speculation
     speculative_config: str | dict[str, Any] | None = None
     # tensor parallelism (engine/config.py's ParallelConfig)
@@ -49,7 +52,8 @@ class EngineArgs:
                         max_model_len=self.max_model_len, num_threads=self.num_threads,
                         gpu_kernels=self.gpu_kernels, quantization=self.quantization,
                         enforce_eager=self.enforce_eager,
-                        cuda_graph_max_seqs=self.cuda_graph_max_seqs),
+                        cuda_graph_max_seqs=self.cuda_graph_max_seqs,
+                        batch_invariant=self.batch_invariant),
             CacheConfig(block_size=self.block_size, kv_cache_memory_gib=self.kv_cache_memory_gib,
                         num_blocks=self.num_kv_blocks,
                         enable_prefix_caching=self.enable_prefix_caching),

@@ -31,7 +31,7 @@ class LLM:
         """Keywords are EngineArgs' (engine/engine_args.py): dtype, quantization, device,
         max_model_len, max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_gib,
         num_kv_blocks, num_threads, gpu_kernels, enforce_eager (no CUDA graphs),
-        cuda_graph_max_seqs, speculative_config, tensor_parallel_size (and for several machines
+        cuda_graph_max_seqs, batch_invariant (rows independent of their batch), speculative_config, tensor_parallel_size (and for several machines
         nnodes, node_rank, master_addr, master_port)."""
         speculative_config = engine_args.pop("speculative_config", None)
         if isinstance(speculative_config, SpeculativeConfig):

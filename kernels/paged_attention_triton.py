@@ -96,7 +96,9 @@ def _paged_attention_kernel(
             context_begin = context_start + tl.sum(bits, 1).to(tl.int32) - sliding_window
     key_start = 0
     if HAS_SLIDING_WINDOW:
-        key_start = tl.maximum(first_pos - sliding_window + 1, 0)
+        # NOTE: from a multiple of BLOCK_N: every tile then groups a row's keys into the same
+        # chunks, so a row's sums do not depend on which tile (decode or verification) holds it
+        key_start = tl.maximum(first_pos - sliding_window + 1, 0) // BLOCK_N * BLOCK_N
 
     running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -150,10 +152,17 @@ def _paged_attention_kernel(
              mask=row_mask)
 
 
-def tile_rows(max_query_len: int, queries_per_kv: int) -> int:
+# BLOCK_M at most, and always with batch_invariant
+MAX_TILE_ROWS = 64
+
+
+def tile_rows(max_query_len: int, queries_per_kv: int, batch_invariant: bool = False) -> int:
     """BLOCK_M: the fewest (row, head) pairs per program that hold a decode row's group, up to 64
-    for prefill chunks (tl.dot needs at least 16)."""
-    return min(64, max(16, triton.next_power_of_2(max_query_len * queries_per_kv)))
+    for prefill chunks (tl.dot needs at least 16). Batch-invariant: 64 for every step, since the
+    tile's shape decides how the GPU lays out and reduces each row's scores."""
+    if batch_invariant:
+        return MAX_TILE_ROWS
+    return min(MAX_TILE_ROWS, max(16, triton.next_power_of_2(max_query_len * queries_per_kv)))
 
 
 def paged_attention_triton(
@@ -167,6 +176,8 @@ def paged_attention_triton(
     sliding_window: int | None,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads * head_dim]; rows of no sequence untouched
     tree_mask: torch.Tensor | None = None,  # [num_tokens] int64: ancestor bits, -1 = causal row
+    batch_invariant: bool = False,  # one tile shape for every step: a row's bits never depend on
+                                    # the step's other rows (decode and verification agree)
 ) -> torch.Tensor:
     """The attention of each query row over its sequence's context; returns [num_tokens, H * D]."""
     num_tokens, num_heads, head_dim = query.shape
@@ -183,7 +194,7 @@ def paged_attention_triton(
         out = query.new_empty(num_tokens, num_heads * head_dim)
     out_3d = out.view(num_tokens, num_heads, head_dim)
     keys, values = kv_cache[0], kv_cache[1]
-    block_m = tile_rows(max_query_len, queries_per_kv)
+    block_m = tile_rows(max_query_len, queries_per_kv, batch_invariant)
     num_seqs = len(seq_lens)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len * queries_per_kv, block_m))
     if num_seqs and max_query_len:

@@ -86,6 +86,10 @@ def _add_serve_parser(commands) -> None:
                        help="never capture CUDA graphs; by default the target's decode and "
                             "verification steps replay graphs captured at start-up (on CUDA with "
                             "--gpu-kernels triton and one rank)")
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="every row's numbers independent of what else is batched with it: "
+                            "greedy output with speculation equals output without, in bfloat16 "
+                            "too (implies --gpu-kernels triton; costs speed: docs/perf.md)")
     serve.add_argument("--cuda-graph-max-seqs", type=int, default=16,
                        help="the most sequences a captured step holds; larger steps run "
                             "eagerly (default: %(default)s)")
@@ -138,6 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory_gib,
         num_threads=args.num_threads, gpu_kernels=args.gpu_kernels,
         enforce_eager=args.enforce_eager, cuda_graph_max_seqs=args.cuda_graph_max_seqs,
+        batch_invariant=args.batch_invariant,
         enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes,

@@ -22,11 +22,12 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-                gpu_kernels: str = "torch", arch: LlamaArch | None = None
-                ) -> tuple[LlamaForCausalLM, str]:
+                gpu_kernels: str = "torch", arch: LlamaArch | None = None,
+                batch_invariant: bool = False) -> tuple[LlamaForCausalLM, str]:
     """The module in eval mode on `device`, and the name of the kernels it uses (engine/config.py's
     GPU_KERNELS for gpu_kernels). `arch`: the shape the weights have, when not the checkpoint's
-    (one tensor-parallel rank's shard, engine/runner/sharding.py)."""
+    (one tensor-parallel rank's shard, engine/runner/sharding.py). batch_invariant (with gpu_kernels
+    "triton"): engine/models/batch_invariant.py."""
     arch = arch or LlamaArch.from_hf_config(checkpoint.hf_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
@@ -49,8 +50,12 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"gpu_kernels triton takes float32, float16 or bfloat16, not {dtype}")
         from kernels import fused_ops_triton
-        backend = optimize_for_cpu(model, dtype, device, fused_ops=False)
         use_fused_ops(model, fused_ops_triton)
+        if batch_invariant:  # NOTE: before the CPU's linears (tests) would replace nn.Linear
+            from engine.models.batch_invariant import use_batch_invariant
+            use_batch_invariant(model)
+            return model.eval(), "batch-invariant triton matmuls, attention and fused ops"
+        backend = optimize_for_cpu(model, dtype, device, fused_ops=False)
         return model.eval(), backend + " + triton attention and fused ops"
     return model.eval(), optimize_for_cpu(model, dtype, device)
 

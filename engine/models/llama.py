@@ -67,6 +67,8 @@ class Attention(nn.Module):
     fused_ops = None
     # under tensor parallelism (engine/runner/collectives.py): o_proj is row-parallel, its parts summed
     tp_group = None
+    # every row's bits independent of the step's other rows (engine/models/batch_invariant.py)
+    batch_invariant = False
 
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
@@ -90,7 +92,8 @@ class Attention(nn.Module):
         if self.fused_ops is None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(kv_cache, k, v, meta)
-        out = self.o_proj(paged_attention(q, kv_cache, meta, self.scale))  # [T, hidden]
+        attended = paged_attention(q, kv_cache, meta, self.scale, self.batch_invariant)
+        out = self.o_proj(attended)  # [T, hidden]
         return out if self.tp_group is None else self.tp_group.all_reduce(out)
 
 

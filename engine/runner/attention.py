@@ -287,8 +287,9 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """Attention of each query row over its sequence's cached context.
+                    scale: float, batch_invariant: bool = False) -> torch.Tensor:
+    """Attention of each query row over its sequence's cached context. batch_invariant (the Triton
+    kernel only): each row's bits independent of the step's other rows.
 
     query: [num_tokens, num_heads, head_dim]
     kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim]
@@ -299,7 +300,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         from kernels.paged_attention_triton import paged_attention_triton
         return paged_attention_triton(query, kv_cache, kernel.block_tables, kernel.seq_lens,
                                       kernel.cu_num_query_tokens, meta.max_query_len, scale,
-                                      kernel.sliding_window, tree_mask=meta.tree_mask)
+                                      kernel.sliding_window, tree_mask=meta.tree_mask,
+                                      batch_invariant=batch_invariant)
     if kernel is not None and paged_attention_cpu_supports(query, kv_cache):
         return paged_attention_cpu(query.contiguous(), kv_cache, kernel.block_tables,
                                    kernel.seq_lens, kernel.cu_num_query_tokens, scale,

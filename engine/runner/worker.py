@@ -101,7 +101,8 @@ class Worker:
             checkpoint, plan = self._keep_this_ranks_share(checkpoint)
             local_arch, kv_heads = plan.local_arch(self.arch, rank), plan.max_kv_heads()
         self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device,
-                                                      self.gpu_kernels, arch=local_arch)
+                                                      self.gpu_kernels, arch=local_arch,
+                                                      batch_invariant=model_config.batch_invariant)
         if self.tp_group is not None:
             self.model.use_tensor_parallel(self.tp_group, plan.shards[rank].vocab.start,
                                            [len(shard.vocab) for shard in plan.shards])
