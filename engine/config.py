@@ -19,9 +19,12 @@ if TYPE_CHECKING:
 # The dtypes by torch's names; float64 exists for tests: greedy ties can never flip on rounding there
 DTYPES = ("float32", "float16", "bfloat16", "float64")
 # what runs attention, the norms, rotary and SiLU-and-multiply of a model on CUDA: "torch" = torch ops
-# and SDPA over a gathered copy of the context (measured on GPUs, docs/perf.md); "triton" =
-# specserve's Triton kernels (kernels/), tested under the interpreter and compiled for sm_90
-GPU_KERNELS = ("torch", "triton")
+# and SDPA over a gathered copy of the context; "triton" = specserve's Triton kernels (kernels/),
+# which CUDA graphs can capture: 10-14x torch's one-stream speed on an H200 (docs/perf.md);
+# "auto" = triton on CUDA where the triton package is installed, else torch
+GPU_KERNELS = ("auto", "torch", "triton")
+# the dtypes in which batch invariance is on by default (float32 rows already agree: docs/perf.md)
+BATCH_INVARIANT_DTYPES = ("bfloat16", "float16")
 # "auto": keep the checkpoint's quantized or 16-bit weights packed on the CPU (GGUF blocks,
 # bf16/f16) and compute in float32; "none": expand them to the dtype
 QUANTIZATION_MODES = ("auto", "none")
@@ -47,8 +50,9 @@ class ModelConfig:
     max_model_len: int | None = None
     # torch intra-op threads on the CPU; None = leave torch's default
     num_threads: int | None = None
-    # one of GPU_KERNELS; "triton" on the CPU only under TRITON_INTERPRET=1 (tests)
-    gpu_kernels: str = "torch"
+    # one of GPU_KERNELS, resolved to "torch" or "triton" when built; "triton" on the CPU only
+    # under TRITON_INTERPRET=1 (tests)
+    gpu_kernels: str = "auto"
     # one of QUANTIZATION_MODES; see keep_weights_packed for when "auto" packs
     quantization: str = "auto"
     # True: never capture CUDA graphs (engine/runner/cuda_graphs.py); they apply on CUDA with
@@ -57,8 +61,9 @@ class ModelConfig:
     # the most sequences a captured decode / verification step holds; larger steps run eagerly
     cuda_graph_max_seqs: int = 16
     # every row's numbers independent of its batch (engine/models/batch_invariant.py): greedy
-    # with speculation = without, batched = alone, in bfloat16 too; implies gpu_kernels "triton"
-    batch_invariant: bool = False
+    # with speculation = without, batched = alone, in bfloat16 too; needs gpu_kernels "triton".
+    # None = on with the Triton kernels in bfloat16 and float16 on CUDA
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and DTYPE_ALIASES.get(self.dtype, self.dtype) not in DTYPES:
@@ -77,17 +82,41 @@ class ModelConfig:
         if self.cuda_graph_max_seqs < 1:
             raise ValueError(f"cuda_graph_max_seqs must be at least 1, got "
                              f"{self.cuda_graph_max_seqs}")
-        if self.batch_invariant and self.gpu_kernels == "torch":
-            object.__setattr__(self, "gpu_kernels", "triton")  # the invariant kernels are Triton's
         if self.gpu_kernels not in GPU_KERNELS:
             raise ValueError(f"gpu_kernels must be one of {', '.join(GPU_KERNELS)}, "
                              f"got {self.gpu_kernels!r}")
+        if self.batch_invariant and self.gpu_kernels == "torch":
+            raise ValueError("batch_invariant (--batch-invariant) needs the Triton kernels: "
+                             "gpu_kernels triton or auto, not torch")
+        if (self.batch_invariant and self.device == "cpu"
+                and os.environ.get("TRITON_INTERPRET") != "1"):
+            raise ValueError("batch_invariant (--batch-invariant) runs on CUDA devices: the CPU's "
+                             "rows already agree in float32")
         if self.gpu_kernels == "triton":
             if importlib.util.find_spec("triton") is None:
                 raise ValueError("gpu_kernels triton needs the triton package: pip install triton")
             if self.torch_device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
                 raise ValueError("gpu_kernels triton runs on CUDA devices (or on the CPU under "
                                  "TRITON_INTERPRET=1, for tests)")
+
+    def resolved_gpu_kernels(self, device: torch.device, dtype: torch.dtype) -> str:
+        """"torch" or "triton" for `device` and `dtype` (the kernels take float32, float16 and
+        bfloat16; float64 test models keep torch). NOTE: resolved in the engine process: the HTTP
+        process validates this config without importing torch."""
+        if self.gpu_kernels != "auto":
+            return self.gpu_kernels
+        if self.batch_invariant:
+            return "triton"
+        has_triton = importlib.util.find_spec("triton") is not None
+        triton_dtype = str(dtype).removeprefix("torch.") in ("float32", "float16", "bfloat16")
+        return "triton" if device.type == "cuda" and has_triton and triton_dtype else "torch"
+
+    def resolved_batch_invariant(self, gpu_kernels: str, device: torch.device,
+                                 dtype: torch.dtype) -> bool:
+        if self.batch_invariant is not None:
+            return self.batch_invariant
+        return (gpu_kernels == "triton" and device.type == "cuda"
+                and str(dtype).removeprefix("torch.") in BATCH_INVARIANT_DTYPES)
 
     @property
     def torch_device(self) -> torch.device:

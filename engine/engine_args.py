@@ -27,13 +27,13 @@ class EngineArgs:
     # reuse cached prefix blocks within a tenant (engine/kv/block_manager.py)
     enable_prefix_caching: bool = True
     # "torch" or "triton": what runs attention and the per-layer ops on CUDA (engine/config.py)
-    gpu_kernels: str = "torch"
+    gpu_kernels: str = "auto"
     # no CUDA graphs (engine/runner/cuda_graphs.py), and the most sequences a graph holds
     enforce_eager: bool = False
     cuda_graph_max_seqs: int = 16
-    # rows independent of their batch: greedy speculation = plain decoding in bfloat16 (implies
-    # gpu_kernels "triton"; engine/models/batch_invariant.py)
-    batch_invariant: bool = False
+    # rows independent of their batch: greedy speculation = plain decoding in bfloat16 (needs
+    # the Triton kernels; engine/models/batch_invariant.py); None = on in bf16/fp16 on CUDA
+    batch_invariant: bool | None = None
     # vLLM-style JSON text or dict (engine/spec_config.py); None or "none" = no speculation
     speculative_config: str | dict[str, Any] | None = None
     # tensor parallelism (engine/config.py's ParallelConfig)

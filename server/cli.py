@@ -78,18 +78,20 @@ def _add_serve_parser(commands) -> None:
                        default=True,
                        help="reuse the K/V of cached prompt prefixes within a tenant (API key + "
                             "cache_salt); on by default, --no-enable-prefix-caching turns it off")
-    serve.add_argument("--gpu-kernels", default="torch", choices=["torch", "triton"],
-                       help="what runs attention, norms, rotary and SiLU on CUDA: torch ops, or "
-                            "specserve's Triton kernels (not yet measured on a GPU; default: "
-                            "%(default)s)")
+    serve.add_argument("--gpu-kernels", default="auto", choices=["auto", "torch", "triton"],
+                       help="what runs attention, norms, rotary and SiLU on CUDA: specserve's "
+                            "Triton kernels, which CUDA graphs capture (auto, where triton is "
+                            "installed), or torch ops (default: %(default)s)")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="never capture CUDA graphs; by default the target's decode and "
                             "verification steps replay graphs captured at start-up (on CUDA with "
-                            "--gpu-kernels triton and one rank)")
-    serve.add_argument("--batch-invariant", action="store_true",
-                       help="every row's numbers independent of what else is batched with it: "
-                            "greedy output with speculation equals output without, in bfloat16 "
-                            "too (implies --gpu-kernels triton; costs speed: docs/perf.md)")
+                            "the Triton kernels and one rank)")
+    serve.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                       help="every row's numbers independent of what else is batched with it, so "
+                            "greedy output with speculation equals output without in bfloat16 "
+                            "too; on by default with the Triton kernels in bfloat16/float16 on "
+                            "CUDA (--no-batch-invariant: up to ~19%% faster plain decoding, "
+                            "docs/perf.md)")
     serve.add_argument("--cuda-graph-max-seqs", type=int, default=16,
                        help="the most sequences a captured step holds; larger steps run "
                             "eagerly (default: %(default)s)")

@@ -93,7 +93,9 @@ class Worker:
         self.hf_config = checkpoint.hf_config
         # the whole model's numbers (the vocabulary the sampler sees); `local_arch`: this rank's
         self.arch = LlamaArch.from_hf_config(checkpoint.hf_config)
-        self.gpu_kernels = model_config.gpu_kernels
+        self.gpu_kernels = model_config.resolved_gpu_kernels(self.device, self.dtype)
+        self.batch_invariant = model_config.resolved_batch_invariant(self.gpu_kernels, self.device,
+                                                                     self.dtype)
         # the embedding and LM head whole, for drafters (keeps_whole_vocab), until they take them
         self._vocab_weights: dict | None = None
         local_arch, kv_heads, plan = self.arch, self.arch.num_kv_heads, None
@@ -102,7 +104,7 @@ class Worker:
             local_arch, kv_heads = plan.local_arch(self.arch, rank), plan.max_kv_heads()
         self.model, self.linear_backend = build_model(checkpoint, self.dtype, self.device,
                                                       self.gpu_kernels, arch=local_arch,
-                                                      batch_invariant=model_config.batch_invariant)
+                                                      batch_invariant=self.batch_invariant)
         if self.tp_group is not None:
             self.model.use_tensor_parallel(self.tp_group, plan.shards[rank].vocab.start,
                                            [len(shard.vocab) for shard in plan.shards])

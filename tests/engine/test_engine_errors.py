@@ -23,7 +23,7 @@ def llm(tiny_llama) -> LLM:
     ({"max_model_len": 512, "num_kv_blocks": 4}, "KV cache holds"),
     ({"block_size": 12}, "power of two"),
     ({"max_num_seqs": 0}, "max_num_seqs"),
-    ({"gpu_kernels": "cuda"}, "gpu_kernels must be one of torch, triton"),
+    ({"gpu_kernels": "cuda"}, "gpu_kernels must be one of auto, torch, triton"),
 ])
 def test_bad_engine_settings(tiny_llama, kwargs, message):
     with pytest.raises(ValueError, match=message):

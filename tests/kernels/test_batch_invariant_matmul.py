@@ -64,7 +64,18 @@ def test_the_engine_swaps_every_linear_and_keeps_the_greedy_tokens(tiny_llama):
     from engine.models.batch_invariant import BatchInvariantLinear
     from engine.models.llama import Attention
 
-    assert ModelConfig(batch_invariant=True).gpu_kernels == "triton"
+    cpu = torch.device("cpu")
+    assert ModelConfig(batch_invariant=True).resolved_gpu_kernels(cpu, torch.float32) == "triton"
+    assert ModelConfig().resolved_gpu_kernels(cpu, torch.float32) == "torch"
+    cuda = torch.device("cuda")
+    assert ModelConfig().resolved_gpu_kernels(cuda, torch.float64) == "torch"
+    assert ModelConfig().resolved_batch_invariant("triton", cuda, torch.bfloat16)
+    assert not ModelConfig().resolved_batch_invariant("triton", cuda, torch.float32)
+    assert not ModelConfig(batch_invariant=False).resolved_batch_invariant(
+        "triton", cuda, torch.bfloat16)
+    assert not ModelConfig().resolved_batch_invariant("torch", cpu, torch.float32)
+    with pytest.raises(ValueError, match="needs the Triton kernels"):
+        ModelConfig(batch_invariant=True, gpu_kernels="torch")
     prompts = [{"prompt_token_ids": p} for p in (
         [1, 5, 9, 13, 2, 7, 5, 9, 13, 2], [1] + list(range(30, 50)) + list(range(30, 42)),
         [1, 11, 12, 13, 11, 12, 13, 11, 12])]
