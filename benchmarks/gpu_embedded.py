@@ -141,6 +141,52 @@ def served_float32(args, results: Results, prompts: list[list[int]], tokenizer) 
         server.wait(30)
 
 
+def served_defaults(args, results: Results, prompts: list[list[int]],
+                    workloads: dict[str, list[int]]) -> None:
+    """`specserve serve --device cuda` as a user starts it (bfloat16, the GPU defaults), with its
+    default speculation and with none: the same greedy text for every prompt through the SDK,
+    and one stream's tokens/s through HTTP (streamed completions, 128 tokens)."""
+    import openai
+
+    from benchmarks.http_servers import SpecserveServer
+
+    texts, speeds = {}, {}
+    for label, spec in (("default", None), ("none", "none")):
+        command = [sys.executable, "-m", "server.cli", "serve", "--model", args.model,
+                   "--device", DEVICE, "--port", str(args.port), "--max-model-len", "2048"]
+        command += ["--speculative-config", spec] if spec else []
+        started = time.perf_counter()
+        server = SpecserveServer(label, command, args.port)
+        try:
+            server.wait_ready(240)
+            speeds[f"{label}/ready_s"] = round(time.perf_counter() - started, 1)
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+            name = client.models.list().data[0].id
+
+            def complete(prompt: list[int]) -> str:
+                return client.completions.create(
+                    model=name, prompt=prompt, max_tokens=args.max_tokens, temperature=0.0,
+                    extra_body={"ignore_eos": True}).choices[0].text
+
+            with ThreadPoolExecutor(8) as pool:
+                texts[label] = list(pool.map(complete, prompts))
+            for kind, prompt in workloads.items():
+                server.time_request(prompt, 16)
+                timing = server.time_request(prompt, args.speed_tokens)
+                speeds[f"{label}/{kind}"] = round(timing.decode_tokens_per_s, 1)
+        finally:
+            server.stop()
+            server.log.seek(0)
+            log = server.log.read()
+            speeds[f"{label}/log"] = [line[-160:] for line in log.splitlines()
+                                      if "graph" in line or "engine ready" in line][-3:]
+    results.put("served_bf16_defaults", {
+        "prompts": len(prompts),
+        "identical_text_spec_vs_none": sum(a == b for a, b in zip(texts["default"],
+                                                                   texts["none"])),
+        "http_one_stream_tok_s": speeds})
+
+
 def bf16_matches(args, results: Results, prompts: list[list[int]]) -> None:
     for variant in args.bf16_variants:
         bf16_matches_of(args, results, prompts, variant)
@@ -235,10 +281,11 @@ def main() -> None:
     by_kind = heldout_chat_prompts(tokenizer)
     prompts = [p for kind in by_kind.values() for p in kind]
     parts = args.parts.split(",")
+    workloads = {k: by_kind[k][0] for k in args.workloads.split(",")}
     for part, run in (("served", lambda: served_float32(args, results, prompts, tokenizer)),
+                      ("served_bf16", lambda: served_defaults(args, results, prompts, workloads)),
                       ("bf16", lambda: bf16_matches(args, results, prompts)),
-                      ("speed", lambda: speed(args, results, {k: by_kind[k][0] for k in
-                                                              args.workloads.split(",")}))):
+                      ("speed", lambda: speed(args, results, workloads))):
         if part in parts:
             started = time.perf_counter()
             try:
