@@ -8,6 +8,7 @@ import torch
 
 from engine.models.arch import LlamaArch
 from engine.models.cpu_linear import optimize_linears_for_cpu, packed_weights_available
+from engine.models.kernel_layout_cache import KernelLayoutCache
 from engine.models.llama import LlamaForCausalLM, use_fused_ops
 from engine.models.loader import Checkpoint
 from engine.models.packed_model import (
@@ -39,8 +40,12 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
                        "with AVX2 and F16C", dtype)
         weights, packed = expand_packed_weights(weights, dtype), False
     if packed:
-        weights = install_packed_weights(model, weights)
-    model = model.to_empty(device=device).to(dtype)
+        # NOTE: one rank's share of a file (tensor parallelism) is not the file: laid out afresh
+        layouts = (KernelLayoutCache(checkpoint.cache_folder, checkpoint.file_path)
+                   if checkpoint.cache_folder and checkpoint.file_path and not checkpoint.partial
+                   else None)
+        weights = install_packed_weights(model, weights, layouts)
+    model = materialize(model, device, dtype)
     # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the reference
     model.rotary.inv_freq = torch.tensor(arch.rope_inv_freq, dtype=torch.float32, device=device)
     model.load_weights(weights)
@@ -58,6 +63,24 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
         backend = optimize_for_cpu(model, dtype, device, fused_ops=False)
         return model.eval(), backend + " + triton attention and fused ops"
     return model.eval(), optimize_for_cpu(model, dtype, device)
+
+
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Give every parameter and buffer still on the meta device uninitialized storage on `device`
+    (floating parameters in `dtype`), as `model.to_empty(device).to(dtype)` would. NOTE: to_empty's
+    empty_like on meta tensors runs torch's Python reference ops, whose first use imports sympy:
+    0.8 s of every start; torch.empty with the shape does not."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                kind = dtype if param.is_floating_point() else param.dtype
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=kind, device=device),
+                    requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
+    return model
 
 
 def optimize_for_cpu(model: torch.nn.Module, dtype: torch.dtype, device: torch.device,
@@ -78,6 +101,24 @@ def optimize_for_cpu(model: torch.nn.Module, dtype: torch.dtype, device: torch.d
 
 def allocate_kv_cache(arch: LlamaArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
-    """Per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (engine/runner/attention.py)."""
-    return [torch.zeros(2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim, dtype=dtype,
-                        device=device) for _ in range(arch.num_layers)]
+    """Per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (engine/runner/attention.py),
+    zeros."""
+    shape = (2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
+    if device.type == "cpu":
+        return lazily_zeroed(shape, arch.num_layers, dtype)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)]
+
+
+def lazily_zeroed(shape: tuple[int, ...], count: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """`count` zero tensors of `shape` in one anonymous memory map: the kernel hands out its pages
+    already zeroed when first touched, so a 1 GB cache costs nothing at start-up (torch.zeros
+    writes every byte: 0.5-0.8 s on these machines) and only the blocks in use become resident.
+    Page-aligned, as the CPU kernels' vector loads want."""
+    import math
+    import mmap
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_tensor = math.prod(shape) * itemsize
+    region = mmap.mmap(-1, max(1, per_tensor * count))
+    flat = torch.frombuffer(region, dtype=dtype, count=math.prod(shape) * count)
+    return [part.view(shape) for part in flat.chunk(count)] if count else []
