@@ -8,7 +8,6 @@ import torch
 
 from engine.models.arch import LlamaArch
 from engine.models.cpu_linear import optimize_linears_for_cpu, packed_weights_available
-from engine.models.kernel_layout_cache import KernelLayoutCache
 from engine.models.llama import LlamaForCausalLM, use_fused_ops
 from engine.models.loader import Checkpoint
 from engine.models.packed_model import (
@@ -40,11 +39,7 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
                        "with AVX2 and F16C", dtype)
         weights, packed = expand_packed_weights(weights, dtype), False
     if packed:
-        # NOTE: one rank's share of a file (tensor parallelism) is not the file: laid out afresh
-        layouts = (KernelLayoutCache(checkpoint.cache_folder, checkpoint.file_path)
-                   if checkpoint.cache_folder and checkpoint.file_path and not checkpoint.partial
-                   else None)
-        weights = install_packed_weights(model, weights, layouts)
+        weights = install_packed_weights(model, weights)
     model = materialize(model, device, dtype)
     # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the reference
     model.rotary.inv_freq = torch.tensor(arch.rope_inv_freq, dtype=torch.float32, device=device)

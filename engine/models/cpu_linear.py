@@ -17,8 +17,6 @@ they are missing we fall back to a transposed weight layout, which MKL also mult
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -112,15 +110,12 @@ class QuantizedLinear(nn.Module):
                             else list(self.bias.split([part.shape[0] for part in parts])))
 
     @classmethod
-    def from_packed(cls, parts: list[PackedWeight], bias: torch.Tensor | None = None,
-                    pack: Callable[[int, PackedWeight], KernelWeight] | None = None
+    def from_packed(cls, parts: list[PackedWeight], bias: torch.Tensor | None = None
                     ) -> QuantizedLinear:
-        """Parts of one format are stacked into one weight, so the kernel streams them in one call.
-        `pack(i, part)` lays part i out (default: pack_for_kernel; a cache passes its own)."""
+        """Parts of one format are stacked into one weight, so the kernel streams them in one call."""
         if len({part.format for part in parts}) == 1 and len(parts) > 1:
             parts = [PackedWeight.concat(parts)]
-        pack = pack or (lambda _, part: pack_for_kernel(part))
-        return cls([pack(i, part) for i, part in enumerate(parts)], bias)
+        return cls([pack_for_kernel(part) for part in parts], bias)
 
     @property
     def nbytes(self) -> int:
@@ -140,10 +135,9 @@ class QuantizedLinear(nn.Module):
 class QuantizedEmbedding(nn.Module):
     """An embedding table kept packed; a lookup dequantizes only the rows it reads (float32)."""
 
-    def __init__(self, table: PackedWeight, layout: KernelWeight | None = None) -> None:
-        """`layout`: the table already laid out for the kernel (a cache's), else done here."""
+    def __init__(self, table: PackedWeight) -> None:
         super().__init__()
-        self.table = layout if layout is not None else pack_for_kernel(table)
+        self.table = pack_for_kernel(table)
         self.num_embeddings, self.embedding_dim = table.shape
 
     @property

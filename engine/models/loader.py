@@ -62,9 +62,6 @@ class Checkpoint:
     partial: frozenset[str] = frozenset()
     # loaded with defer_tokenizer: what loads the tokenizer when it is first needed
     tokenizer_source: Callable[[], transformers.PreTrainedTokenizerBase | None] | None = None
-    # a folder of things derived from this file (a GGUF's cache folder), and the file; or None
-    cache_folder: str | None = None
-    file_path: str | None = None
 
 
 # which part of a Hugging Face-named weight to read: ("rows" | "columns", range), None for all of it
@@ -223,12 +220,10 @@ def _load_gguf(path: str, dtype: torch.dtype, packed: bool, defer_tokenizer: boo
         if defer_tokenizer:
             weights = read_gguf_weights(layout, hf_config, dtype, packed)
             return Checkpoint(hf_config, weights, None, source=source,
-                              tokenizer_source=lambda: _folder_tokenizer(folder, hf_config),
-                              cache_folder=folder, file_path=path)
+                              tokenizer_source=lambda: _folder_tokenizer(folder, hf_config))
         tokenizer = _folder_tokenizer(folder)
     weights = read_gguf_weights(layout, hf_config, dtype, packed)
-    return Checkpoint(hf_config, weights, tokenizer, source=source, cache_folder=folder,
-                      file_path=path)
+    return Checkpoint(hf_config, weights, tokenizer, source=source)
 
 
 def _cached_config(folder: str, path: str) -> Any:

@@ -14,7 +14,6 @@ from collections.abc import Mapping
 import torch
 
 from engine.models.cpu_linear import QuantizedEmbedding, QuantizedLinear
-from engine.models.kernel_layout_cache import KernelLayoutCache
 from engine.models.llama import LlamaForCausalLM
 from engine.models.packed_weight import PackedWeight
 
@@ -36,17 +35,10 @@ def expand_packed_weights(weights: Mapping[str, torch.Tensor | PackedWeight],
             for name, tensor in weights.items()}
 
 
-def install_packed_weights(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor | PackedWeight],
-                           layouts: KernelLayoutCache | None = None) -> dict[str, torch.Tensor]:
-    """Swap packed modules into `model` (on the meta device); returns the weights left to load.
-    `layouts`: where the kernel's layouts of these weights are cached (None: laid out afresh)."""
+def install_packed_weights(model: LlamaForCausalLM, weights: Mapping[str, torch.Tensor | PackedWeight]
+                           ) -> dict[str, torch.Tensor]:
+    """Swap packed modules into `model` (on the meta device); returns the weights left to load."""
     rest = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
-
-    def packer(name: str):
-        if layouts is None:
-            return None
-        return lambda i, part: layouts.pack(f"{name}#{i}", part)
-
     for index, layer in enumerate(model.layers):
         prefix = f"layers.{index}."
         for fused, parts in _FUSED.items():
@@ -60,21 +52,15 @@ def install_packed_weights(model: LlamaForCausalLM, weights: Mapping[str, torch.
             bias = None if all(b is None for b in biases) else torch.cat(biases)
             parent, _, child = f"{prefix}{fused}".rpartition(".")
             setattr(model.get_submodule(parent), child,
-                    QuantizedLinear.from_packed([rest.pop(name) for name in names], bias,
-                                                packer(f"{prefix}{fused}")))
+                    QuantizedLinear.from_packed([rest.pop(name) for name in names], bias))
     embedding = rest.get("embed_tokens.weight")
     if isinstance(embedding, PackedWeight):
-        table = rest.pop("embed_tokens.weight")
-        layout = None if layouts is None else layouts.pack("embed_tokens#0", table)
-        model.embed_tokens = QuantizedEmbedding(table, layout)
+        model.embed_tokens = QuantizedEmbedding(rest.pop("embed_tokens.weight"))
         if model.arch.tie_word_embeddings:
             model.lm_head = model.embed_tokens.as_linear()
     head = rest.get("lm_head.weight")
     if isinstance(head, PackedWeight):
-        model.lm_head = QuantizedLinear.from_packed([rest.pop("lm_head.weight")], None,
-                                                    packer("lm_head"))
-    if layouts is not None:
-        layouts.save()
+        model.lm_head = QuantizedLinear.from_packed([rest.pop("lm_head.weight")])
     for name, tensor in rest.items():  # what no packed module took: expand
         if isinstance(tensor, PackedWeight):
             rest[name] = tensor.dequantize()
