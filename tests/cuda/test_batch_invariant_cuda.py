@@ -4,9 +4,6 @@ batch_invariant gives the same greedy tokens with and without speculation, batch
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 from tiny_models import build_tiny_checkpoint
@@ -18,17 +15,8 @@ CUDA = torch.device("cuda")
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    os.environ["TRITON_INTERPRET"] = "0"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import batch_invariant_matmul, fused_ops_triton, paged_attention_triton
-    if isinstance(batch_invariant_matmul._invariant_matmul_kernel, InterpretedFunction):
-        batch_invariant_matmul = importlib.reload(batch_invariant_matmul)
-    if isinstance(paged_attention_triton._paged_attention_kernel, InterpretedFunction):
-        paged_attention_triton = importlib.reload(paged_attention_triton)
-        importlib.reload(fused_ops_triton)
-    return batch_invariant_matmul, paged_attention_triton
+def compiled(gpu_kernels):
+    return gpu_kernels.batch_invariant_matmul, gpu_kernels.paged_attention_triton
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

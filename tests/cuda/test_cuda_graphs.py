@@ -5,9 +5,6 @@ requests end (so steps move between buckets); a replayed padded step gives the e
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 from tiny_models import build_tiny_checkpoint
@@ -25,16 +22,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 
 
 @pytest.fixture(scope="module")
-def kernels_on_gpu():
-    """The kernel modules decorated for the GPU, not the interpreter the CPU tests use."""
-    os.environ["TRITON_INTERPRET"] = "0"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import fused_ops_triton, paged_attention_triton
-    if isinstance(paged_attention_triton._paged_attention_kernel, InterpretedFunction):
-        paged_attention_triton = importlib.reload(paged_attention_triton)
-        fused_ops_triton = importlib.reload(fused_ops_triton)
-    return paged_attention_triton, fused_ops_triton
+def kernels_on_gpu(gpu_kernels):
+    return gpu_kernels.paged_attention_triton, gpu_kernels.fused_ops_triton
 
 
 @pytest.fixture

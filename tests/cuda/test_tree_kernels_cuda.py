@@ -4,8 +4,6 @@ paged attention's tree rows agree with a float64 reference written from the pare
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
 
 import pytest
@@ -26,18 +24,8 @@ WIDE_TREE = [-1, 0, 0] + list(range(2, 63))  # 64 rows: bit 63 of the last row's
 
 
 @pytest.fixture(scope="module")
-def compiled():
-    """The tree sampler and the paged attention decorated for the GPU."""
-    os.environ["TRITON_INTERPRET"] = "0"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import paged_attention_triton, tree_rejection_triton
-    if isinstance(tree_rejection_triton._tree_kernel, InterpretedFunction):
-        tree_rejection_triton = importlib.reload(tree_rejection_triton)
-    if isinstance(paged_attention_triton._paged_attention_kernel, InterpretedFunction):
-        paged_attention_triton = importlib.reload(paged_attention_triton)
-    assert not isinstance(tree_rejection_triton._tree_kernel, InterpretedFunction)
-    return tree_rejection_triton, paged_attention_triton
+def compiled(gpu_kernels):
+    return gpu_kernels.tree_rejection_triton, gpu_kernels.paged_attention_triton
 
 
 @pytest.mark.parametrize("vocab_size", [16, 300, 49152])

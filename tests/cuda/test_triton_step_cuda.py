@@ -4,8 +4,6 @@ with them (float32) with and without speculation; a padded static step gives the
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
 
 import pytest
@@ -18,16 +16,8 @@ from engine.runner.attention import build_attention_metadata, torch_paged_attent
 
 
 @pytest.fixture(scope="module")
-def kernels_on_gpu():
-    """The kernel modules decorated for the GPU, not the interpreter the CPU tests use."""
-    os.environ["TRITON_INTERPRET"] = "0"
-    from triton.runtime.interpreter import InterpretedFunction
-
-    from kernels import fused_ops_triton, paged_attention_triton
-    if isinstance(paged_attention_triton._paged_attention_kernel, InterpretedFunction):
-        paged_attention_triton = importlib.reload(paged_attention_triton)
-        fused_ops_triton = importlib.reload(fused_ops_triton)
-    return paged_attention_triton, fused_ops_triton
+def kernels_on_gpu(gpu_kernels):
+    return gpu_kernels.paged_attention_triton, gpu_kernels.fused_ops_triton
 
 
 def step(query_lens, seq_lens, dtype, heads=32, kv_heads=8, head_dim=128, block_size=16):
