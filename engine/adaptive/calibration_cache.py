@@ -14,6 +14,7 @@ choice: the policy follows the steps it runs (engine/adaptive/step_cost.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -41,6 +42,9 @@ FORMAT_VERSION = 1
 # wall time (idle, OpenMP's spinning threads run ~all of it): timings taken while another process
 # had the cores would slow every later start's first choices
 MIN_CPU_SHARE = 0.75
+# calibrations kept: each model file, configuration and machine has its own, so one for every
+# model ever served (or temporary test model) would pile up; the least recently used go first
+MAX_CACHED_CALIBRATIONS = 64
 
 
 def machine_fields(device: torch.device) -> dict[str, Any]:
@@ -101,6 +105,8 @@ def cached_calibration(fields: Mapping[str, Any], measure: Callable[[], dict[int
             logger.info("step costs from the calibration cache %s (measured once on this machine "
                         "for this model and configuration; %s=1 measures again)", path,
                         RECALIBRATE_ENV)
+            with contextlib.suppress(OSError):
+                os.utime(path)  # NOTE: used now: the last to be evicted (_evict_least_recent)
             return cached
     logger.info("calibrating step costs (%d target passes; once for this machine, model and "
                 "configuration)", 0 if not fields.get("sizes") else
@@ -120,6 +126,7 @@ def cached_calibration(fields: Mapping[str, Any], measure: Callable[[], dict[int
                                            "seconds": {str(n): s for n, s in seconds.items()}},
                                           indent=1, sort_keys=True).encode())
         logger.info("calibrated step costs in %.1f s; cached in %s", wall, path)
+        _evict_least_recent(os.path.dirname(path), MAX_CACHED_CALIBRATIONS)
     except OSError as error:
         logger.warning("cannot cache the calibrated step costs in %s (%s): measured again at "
                        "every start", path, error)
@@ -129,6 +136,18 @@ def cached_calibration(fields: Mapping[str, Any], measure: Callable[[], dict[int
 def calibration_path(fields: Mapping[str, Any]) -> str:
     key = hashlib.sha256(json.dumps(_canonical(fields), sort_keys=True).encode()).hexdigest()[:20]
     return os.path.join(cache_root(), "calibration", f"v{FORMAT_VERSION}-{key}.json")
+
+
+def _evict_least_recent(folder: str, keep: int) -> None:
+    """Delete all but the `keep` most recently used calibration files of `folder`."""
+    files = []
+    for name in os.listdir(folder):
+        if name.startswith("v") and name.endswith(".json"):
+            with contextlib.suppress(OSError):  # NOTE: another process may evict it meanwhile
+                files.append((os.stat(os.path.join(folder, name)).st_mtime, name))
+    for _, name in sorted(files, reverse=True)[keep:]:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(folder, name))
 
 
 def _read(path: str, fields: Mapping[str, Any]) -> dict[int, float] | None:

@@ -5,6 +5,7 @@ is never reused, and an engine started twice calibrates once."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -55,6 +56,32 @@ def test_another_machine_or_setting_measures_again(monkeypatch, change):
     cached_calibration({**FIELDS, **change}, measure)
     assert measure.calls == 2
     assert calibration_path(FIELDS) != calibration_path({**FIELDS, **change})
+
+
+def test_the_cache_keeps_the_most_recently_used_calibrations(monkeypatch, cache_dir):
+    """One file per model and setting would pile up (every temporary test model has its own):
+    past MAX_CACHED_CALIBRATIONS the least recently used go, and a read counts as a use."""
+    monkeypatch.setattr(calibration_cache, "MIN_CPU_SHARE", 0.0)
+    monkeypatch.setattr(calibration_cache, "MAX_CACHED_CALIBRATIONS", 3)
+    measure = Measure({1: 0.01, 2: 0.015})
+    clock = iter(range(1_000_000, 2_000_000, 10))
+
+    def calibrate(sizes: list[int]) -> None:
+        cached_calibration({**FIELDS, "sizes": sizes}, measure)
+        path = calibration_path({**FIELDS, "sizes": sizes})
+        stamp = next(clock)  # NOTE: distinct times, whatever the file system's resolution
+        os.utime(path, (stamp, stamp))
+
+    for sizes in ([1], [2], [3]):
+        calibrate(sizes)
+    calibrate([1])  # read back: now the most recent
+    assert measure.calls == 3
+    calibrate([4])  # a fourth: [2], the least recently used, goes
+    kept = sorted(p.name for p in (cache_dir / "calibration").iterdir())
+    assert kept == sorted(os.path.basename(calibration_path({**FIELDS, "sizes": s}))
+                          for s in ([1], [3], [4]))
+    calibrate([2])
+    assert measure.calls == 5  # measured again
 
 
 def test_recalibrate_variable_measures_again_and_replaces_the_file(monkeypatch):
