@@ -87,7 +87,8 @@ def optimize_for_cpu(model: torch.nn.Module, dtype: torch.dtype, device: torch.d
     backend = optimize_linears_for_cpu(model)
     formats = packed_formats(model)
     if formats:
-        backend = f"packed {'/'.join(formats)} + {backend} for float32 linears"
+        backend = f"packed {'/'.join(formats)}" + (
+            "" if backend == "none" else f" + {backend} for float32 linears")
     if fused_ops and dtype == torch.float32 and decoder_ops.decoder_ops_available():
         use_fused_ops(model, decoder_ops)
         backend += " + fused-ops"

@@ -69,11 +69,14 @@ class SkinnyGemmLinear(nn.Module):
 
 
 def optimize_linears_for_cpu(model: nn.Module) -> str:
-    """Give every Linear of a float32 CPU model the fastest layout available; returns its name.
+    """Give every Linear of a float32 CPU model the fastest layout available; returns its name
+    ("none" for a model with no Linear left, e.g. all packed).
 
     Other dtypes keep torch's row-major layout: for bf16 and fp16 the transposed one is ~20x slower.
     """
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if not linears:  # NOTE: asking whether a kernel is available would build it (a first start)
+        return "none"
     if not all(m.weight.dtype == torch.float32 for _, m in linears):
         return "torch"
     for backend, available, replacement in (

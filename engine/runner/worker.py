@@ -29,7 +29,7 @@ from engine.runner.ranks import start_rank_processes, stop_rank_processes
 from engine.runner.sharding import ShardPlan, intermediate_unit, shard_spec, shard_weights
 from engine.step.scheduler_output import SchedulerOutput
 from engine.step.types import ForwardInput, SampledTokens
-from kernels.cpu_extension import build_cpu_libraries
+from kernels.cpu_extension import PACKED_MODEL_KERNELS, build_cpu_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,10 @@ class Worker:
             # 60% of a decode step on an H100 (benchmarks/profile_step.py); the other backends need none
             torch.backends.cuda.enable_cudnn_sdp(False)
         if self.device.type == "cpu":  # NOTE: a first start compiles them, side by side, before
-            build_cpu_libraries()      # this node's other ranks start and look for them
+            # this node's other ranks start and look for them; a lone engine on a packed model
+            # leaves out the float32 matmul, built only if a float32 linear asks for it
+            lone_and_packed = model_config.keep_weights_packed and parallel.tensor_parallel_size == 1
+            build_cpu_libraries(list(PACKED_MODEL_KERNELS) if lone_and_packed else None)
         # the other ranks of this node (rank 0 only), and the group every rank joins
         self.rank_processes: list[subprocess.Popen] = []
         self.tp_group: TensorParallelGroup | None = None

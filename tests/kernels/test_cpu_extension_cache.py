@@ -143,3 +143,33 @@ def test_without_a_compiler_nothing_is_announced(monkeypatch, tmp_path, caplog):
             "unbuildable_kernel": False}
     [message] = [record.getMessage() for record in caplog.records]
     assert "no C++ compiler" in message  # the fallback's own warning, no promise of a build
+
+
+def test_a_first_build_starts_the_longest_compile_first(monkeypatch):
+    """Two at a time, the longest first: the last to start is short, and both cores stay busy."""
+    started = []
+    monkeypatch.setattr(cpu_extension, "cpu_kernels_enabled", lambda: True)
+    monkeypatch.setattr(cpu_extension, "_is_ready", lambda name: False)
+    monkeypatch.setattr(cpu_extension, "_build_plan", lambda name: ("native", []))
+    monkeypatch.setattr(cpu_extension.shutil, "which", lambda name: "/usr/bin/c++")
+    monkeypatch.setattr(cpu_extension.os, "cpu_count", lambda: 1)  # one at a time: a fixed order
+    monkeypatch.setattr(cpu_extension, "load_cpu_library",
+                        lambda name: started.append(name) or True)
+    names = ["decoder_ops", "skinny_gemm", "paged_attention", "quantized_gemm", "new_kernel"]
+    assert all(cpu_extension.build_cpu_libraries(names).values())
+    assert started[:5] == ["quantized_gemm", "paged_attention", "decoder_ops", "skinny_gemm",
+                           "new_kernel"]
+
+
+@pytest.mark.parametrize("engine_args, expected", [
+    ({}, list(cpu_extension.PACKED_MODEL_KERNELS)),  # the default: a GGUF kept packed
+    ({"dtype": "float32"}, None),  # expanded: float32 linears, every kernel
+])
+def test_a_packed_model_builds_no_float32_matmul_upfront(monkeypatch, engine_args, expected):
+    import engine.runner.worker as worker
+    from engine.config import CacheConfig, ModelConfig
+
+    asked = []
+    monkeypatch.setattr(worker, "build_cpu_libraries", lambda names=None: asked.append(names))
+    worker.Worker(ModelConfig(max_model_len=64, **engine_args), CacheConfig(num_blocks=8))
+    assert asked == [expected]
