@@ -88,8 +88,9 @@ class ModelConfig:
         if self.batch_invariant and self.gpu_kernels == "torch":
             raise ValueError("batch_invariant (--batch-invariant) needs the Triton kernels: "
                              "gpu_kernels triton or auto, not torch")
-        if (self.batch_invariant and self.device == "cpu"
-                and os.environ.get("TRITON_INTERPRET") != "1"):
+        # NOTE: torch_device imports torch (to see a GPU); only an explicit batch_invariant pays it
+        if (self.batch_invariant and os.environ.get("TRITON_INTERPRET") != "1"
+                and self.torch_device.type != "cuda"):
             raise ValueError("batch_invariant (--batch-invariant) runs on CUDA devices: the CPU's "
                              "rows already agree in float32")
         if self.gpu_kernels == "triton":

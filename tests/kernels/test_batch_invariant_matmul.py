@@ -95,3 +95,15 @@ def test_the_engine_swaps_every_linear_and_keeps_the_greedy_tokens(tiny_llama):
     assert [o.outputs[0].token_ids for o in outs] == want
     assert sum(o.spec_stats.num_accepted_draft_tokens for o in outs) > 0
     assert llm.generate(prompts[1], params)[0].outputs[0].token_ids == want[1]
+
+
+
+def test_batch_invariant_without_a_gpu_is_a_clear_error(monkeypatch):
+    """device auto on a machine with no GPU: refused when the config is built, naming the flag."""
+    from engine.config import ModelConfig
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("auto", "cpu"):
+        with pytest.raises(ValueError, match="--batch-invariant.*CUDA"):
+            ModelConfig(batch_invariant=True, device=device)
