@@ -83,10 +83,10 @@ def source_names() -> list[str]:
 # compile seconds measured alone on a 2-vCPU Xeon (docs/perf.md): a build starts the longest first,
 # so the last one to start is short and both cores stay busy to the end (57 s -> ~51 s for four)
 COMPILE_SECONDS = {"quantized_gemm": 35.0, "paged_attention": 27.8, "decoder_ops": 22.4,
-                   "skinny_gemm": 15.8}
+                   "native_decoder": 22.0, "skinny_gemm": 15.8}
 # what the CPU default (a GGUF kept packed) runs on; skinny_gemm only serves float32 linears and is
 # built when first asked for (kernels/skinny_gemm.py)
-PACKED_MODEL_KERNELS = ("quantized_gemm", "paged_attention", "decoder_ops")
+PACKED_MODEL_KERNELS = ("quantized_gemm", "paged_attention", "decoder_ops", "native_decoder")
 
 
 def _cache_root() -> Path:
@@ -112,11 +112,14 @@ def missing_cpu_features(arch: str) -> list[str]:
 
 
 def build_folder_name(source_name: str, arch: str) -> str:
-    """<source>-<key>: the key digests the source, torch's version and the flags, and for `native`
-    the CPU's feature flags (a named baseline runs on every CPU that has its features)."""
+    """<source>-<key>: the key digests the source and the shared headers, torch's version, the
+    flags, and for `native` the CPU's feature flags (a named baseline runs on every CPU that has
+    its features)."""
     source = SOURCE_DIR / f"{source_name}.cpp"
     features = _cpu_features() if arch == "native" else b""
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), torch.__version__.encode(),
+    # the headers every library may include (entry_points.h, decoder_math.h) key them all
+    headers = b"".join(path.read_bytes() for path in sorted(SOURCE_DIR.glob("*.h")))
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), headers, torch.__version__.encode(),
                                      " ".join(cflags(arch) + LDFLAGS).encode(), features]))
     return f"{source_name}-{key.hexdigest()[:16]}"
 

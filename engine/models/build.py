@@ -10,6 +10,7 @@ from engine.models.arch import LlamaArch
 from engine.models.cpu_linear import optimize_linears_for_cpu, packed_weights_available
 from engine.models.llama import LlamaForCausalLM, use_fused_ops
 from engine.models.loader import Checkpoint
+from engine.models.native_pass import NativePass
 from engine.models.packed_model import (
     expand_packed_weights,
     has_packed_weights,
@@ -57,7 +58,12 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
             return model.eval(), "batch-invariant triton matmuls, attention and fused ops"
         backend = optimize_for_cpu(model, dtype, device, fused_ops=False)
         return model.eval(), backend + " + triton attention and fused ops"
-    return model.eval(), optimize_for_cpu(model, dtype, device)
+    backend = optimize_for_cpu(model, dtype, device)
+    if device.type == "cpu":
+        model.native_pass = NativePass.build(model)
+        if model.native_pass is not None:
+            backend += " + native pass"
+    return model.eval(), backend
 
 
 def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:

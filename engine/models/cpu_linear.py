@@ -109,7 +109,8 @@ class QuantizedLinear(nn.Module):
         # NOTE: a plain attribute, not a buffer: the module joins a model still on the meta device,
         # whose to_empty() would replace buffers with uninitialized memory
         self.bias = None if bias is None else bias.float().contiguous()
-        self._bias_parts = ([None] * len(parts) if bias is None
+        # each part's slice of the bias (None: no bias)
+        self.bias_parts = ([None] * len(parts) if bias is None
                             else list(self.bias.split([part.shape[0] for part in parts])))
 
     @classmethod
@@ -126,9 +127,9 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in_features] float32
         if len(self.parts) == 1:
-            return quantized_linear(x, self.parts[0], self._bias_parts[0])
+            return quantized_linear(x, self.parts[0], self.bias_parts[0])
         return torch.cat([quantized_linear(x, part, bias)
-                          for part, bias in zip(self.parts, self._bias_parts)], dim=-1)
+                          for part, bias in zip(self.parts, self.bias_parts)], dim=-1)
 
     def dequantized_weight(self) -> torch.Tensor:
         """[out, in] float32, what `PackedWeight.dequantize()` gives: for code that needs the matrix."""

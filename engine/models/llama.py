@@ -156,6 +156,9 @@ class LlamaForCausalLM(nn.Module):
         # forward then leaves them side by side in aux_hidden_states, [num_tokens, n * hidden]
         self.aux_hidden_layers: tuple[int, ...] = ()
         self.aux_hidden_states: torch.Tensor | None = None
+        # the whole decoder stack as one native call on the CPU (engine/models/native_pass.py),
+        # set by build_model when the model allows it; None = the modules below
+        self.native_pass = None
         # under tensor parallelism: this rank's first vocabulary row, and every rank's row count
         self.tp_group = None
         self.vocab_start, self.vocab_widths = 0, [arch.vocab_size]
@@ -165,6 +168,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens]; returns final-norm hidden states [num_tokens, hidden]."""
         x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
+        if self.native_pass is not None and self.native_pass.runs(meta):
+            hidden, aux = self.native_pass(x, cos[:, 0], sin[:, 0], meta, kv_caches,
+                                           self.aux_hidden_layers)
+            if self.aux_hidden_layers:
+                self.aux_hidden_states = aux
+            return hidden
         aux = []
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if index in self.aux_hidden_layers:
@@ -188,6 +197,7 @@ class LlamaForCausalLM(nn.Module):
         """This module is one rank's shard (engine/runner/sharding.py): every row-parallel output
         and the embedding are summed over `group`, logits gathered on its first rank."""
         self.tp_group, self.vocab_start, self.vocab_widths = group, vocab_start, list(vocab_widths)
+        self.native_pass = None  # NOTE: the native pass knows no collectives
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.tp_group = group
@@ -254,3 +264,5 @@ def use_fused_ops(model: nn.Module, fused_ops: ModuleType | None) -> None:
     for module in model.modules():
         if isinstance(module, (RMSNorm, DecoderLayer, Attention, MLP)):
             module.fused_ops = fused_ops
+    if isinstance(model, LlamaForCausalLM):
+        model.native_pass = None  # NOTE: built for the ops it had; build_model builds it after

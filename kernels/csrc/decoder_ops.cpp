@@ -15,6 +15,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "decoder_math.h"
+
 namespace {
 
 void check_rows(const at::Tensor& t, const char* name) {
@@ -23,13 +25,7 @@ void check_rows(const at::Tensor& t, const char* name) {
               name, " must be a 2-D float32 CPU tensor with contiguous rows");
 }
 
-// out[r] = weight * (x[r] / sqrt(mean(x[r]^2) + eps)), the Hugging Face order of operations
-inline void normalize_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
-  float sum_sq = 0.0f;
-  for (int64_t i = 0; i < n; ++i) sum_sq += x[i] * x[i];
-  const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = weight[i] * (x[i] * inv_rms);
-}
+using specserve_math::normalize_row;
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm: x");
@@ -96,15 +92,7 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
     for (int64_t r = begin; r < end; ++r) {
       const float* c = c_ptr + r * c_stride;
       const float* s = s_ptr + r * s_stride;
-      for (int64_t h = 0; h < num_rotated_heads; ++h) {
-        float* x1 = q_ptr + r * q_stride + h * head_dim;
-        float* x2 = x1 + half;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          x1[i] = a * c[i] - b * s[i];
-          x2[i] = b * c[i] + a * s[i];
-        }
-      }
+      specserve_math::rotate_heads(q_ptr + r * q_stride, c, s, num_rotated_heads, head_dim);
     }
   });
 }
@@ -123,7 +111,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
       const float* gate = g_ptr + r * g_stride;
       const float* up = gate + width;
       float* o = o_ptr + r * width;
-      for (int64_t i = 0; i < width; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+      specserve_math::silu_and_mul_row(gate, up, width, o);
     }
   });
   return out;

@@ -38,6 +38,8 @@
 #include <optional>
 #include <vector>
 
+#include "entry_points.h"
+
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -49,19 +51,7 @@ constexpr int kMaxHeads = 3;        // query heads computed together (16 AVX2 re
 constexpr int kBlocksPerChunk = 4;  // cache blocks under one online-softmax update (see Chunk)
 constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-struct Problem {
-  const float* query;                  // [num_tokens, num_heads, head_dim]
-  const float* key_cache;              // [num_kv_heads, num_blocks, block_size, head_dim]
-  const float* value_cache;            // [num_kv_heads, num_blocks, block_size, head_dim]
-  const int32_t* block_tables;         // [num_seqs, table_stride]
-  const int32_t* seq_lens;             // [num_seqs]
-  const int32_t* cu_num_query_tokens;  // [num_seqs + 1]
-  const int64_t* tree_mask;            // [num_tokens], or nullptr: no tree in the step
-  float* out;                          // [num_tokens, num_heads, head_dim]
-  int64_t table_stride, num_blocks;
-  int num_heads, num_kv_heads, head_dim, block_size, sliding_window;
-  float scale;
-};
+using Problem = specserve_abi::AttentionProblem;  // entry_points.h
 
 // One unit of parallel work: some rows of one sequence against one kv head, for some of the query
 // heads of that kv head.
@@ -600,9 +590,28 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
   return out;
 }
 
+const specserve_abi::AttentionEntryPoints kEntryPoints = {
+    specserve_abi::kVersion,
+    [](const Problem* p, int num_seqs, int num_threads, int64_t* num_items) -> void* {
+      auto* items = new std::vector<WorkItem>(plan_work(*p, num_seqs, num_threads));
+      *num_items = static_cast<int64_t>(items->size());
+      return items;
+    },
+    [](void* plan) { delete static_cast<std::vector<WorkItem>*>(plan); },
+    []() -> void* { return new Scratch(); },
+    [](void* scratch) { delete static_cast<Scratch*>(scratch); },
+    [](const Problem* p, const void* plan, int64_t item, void* scratch) {
+      run_item_dispatch(*p, (*static_cast<const std::vector<WorkItem>*>(plan))[item],
+                        *static_cast<Scratch*>(scratch));
+    }};
+
+// the address of the entry points (entry_points.h)
+int64_t paged_attention_entry_points() { return reinterpret_cast<int64_t>(&kEntryPoints); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.def("paged_attention_entry_points() -> int", &paged_attention_entry_points);
   m.def(
       "paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor cu_num_query_tokens, float scale, int sliding_window, "

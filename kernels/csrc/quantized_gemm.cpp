@@ -31,6 +31,8 @@
 #include <string>
 #include <vector>
 
+#include "entry_points.h"
+
 #if defined(__AVX2__) && defined(__F16C__)
 #include <immintrin.h>
 #define SPECSERVE_QUANTIZED_GEMM 1
@@ -312,35 +314,47 @@ constexpr TileFn kFloatTiles[kBulkRowTile + 1] = {
     nullptr, fused_tile<Float32, 1, 1>, fused_tile<Float32, 2, 1>, fused_tile<Float32, 3, 1>,
     fused_tile<Float32, 4, 1>, fused_tile<Float32, 5, 1>, fused_tile<Float32, 6, 1>};
 
+// groups [g0, g1) of y = x @ W^T (+ bias), serially: the one body of the op's parallel loop and
+// of the native pass's pieces of work (entry_points.h). `scratch`: K * kGroupWidth floats when
+// rows > kFusedRows (one dequantized group), unused otherwise.
 template <class F>
-void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t G, int64_t N,
-            const float* bias, float* y) {
+void linear_range(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                  const float* bias, float* y, int64_t y_stride, int64_t g0, int64_t g1,
+                  float* scratch) {
   const int64_t group_bytes = K / F::kBlock * record_bytes<F>();
   if (M <= kFusedRows) {
     const int64_t per_task = kFusedGroups[M];
-    const int64_t tasks = (G + per_task - 1) / per_task;
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t g = t * per_task, groups = std::min(per_task, G - g);
-        const int64_t n0 = g * kGroupWidth;
-        Kernels<F>::fused[M][groups](x, K, packed + g * group_bytes, group_bytes, y + n0, N,
-                                     std::min(groups * kGroupWidth, N - n0),
-                                     bias ? bias + n0 : nullptr);
-      }
-    });
+    for (int64_t g = g0; g < g1; g += per_task) {
+      const int64_t groups = std::min(per_task, g1 - g), n0 = g * kGroupWidth;
+      Kernels<F>::fused[M][groups](x, K, packed + g * group_bytes, group_bytes, y + n0, y_stride,
+                                   std::min(groups * kGroupWidth, N - n0),
+                                   bias ? bias + n0 : nullptr);
+    }
     return;
   }
-  at::parallel_for(0, G, 1, [&](int64_t group_begin, int64_t group_end) {
-    std::vector<float> buffer(K * kGroupWidth);  // one dequantized group, reused across the chunk
-    const uint8_t* floats = reinterpret_cast<const uint8_t*>(buffer.data());
-    for (int64_t g = group_begin; g < group_end; ++g) {
-      const int64_t n0 = g * kGroupWidth;
-      const int64_t width = std::min(kGroupWidth, N - n0);
-      dequantize_group<F>(packed + g * group_bytes, K, buffer.data());
-      for (int64_t m0 = 0; m0 < M; m0 += kBulkRowTile)
-        kFloatTiles[std::min(kBulkRowTile, M - m0)](x + m0 * K, K, floats, 0, y + m0 * N + n0, N,
-                                                    width, bias ? bias + n0 : nullptr);
-    }
+  const uint8_t* floats = reinterpret_cast<const uint8_t*>(scratch);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n0 = g * kGroupWidth;
+    const int64_t width = std::min(kGroupWidth, N - n0);
+    dequantize_group<F>(packed + g * group_bytes, K, scratch);
+    for (int64_t m0 = 0; m0 < M; m0 += kBulkRowTile)
+      kFloatTiles[std::min(kBulkRowTile, M - m0)](x + m0 * K, K, floats, 0, y + m0 * y_stride + n0,
+                                                  y_stride, width, bias ? bias + n0 : nullptr);
+  }
+}
+
+inline int64_t groups_per_task(int64_t M) { return M <= kFusedRows ? kFusedGroups[M] : 1; }
+
+template <class F>
+void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t G, int64_t N,
+            const float* bias, float* y) {
+  const int64_t per_task = groups_per_task(M);
+  const int64_t tasks = (G + per_task - 1) / per_task;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    // one dequantized group, reused across the chunk (the bulk path only)
+    std::vector<float> buffer(M <= kFusedRows ? 0 : K * kGroupWidth);
+    linear_range<F>(x, M, K, packed, N, bias, y, N, begin * per_task,
+                    std::min(G, end * per_task), buffer.data());
   });
 }
 
@@ -403,7 +417,42 @@ int64_t group_bytes_for(int64_t format, int64_t K) {
   return bytes;
 }
 
+template <class F>
+struct LinearRangeOp {
+  template <class... Args>
+  static void run(Args... args) { linear_range<F>(args...); }
+};
+
+int64_t group_bytes_or_zero(int64_t format, int64_t K) {
+  if (format < kF32 || format > kBF16) return 0;
+  int64_t block = 0, bytes = 0;
+  dispatch<BlockOp>(format, &block);
+  if (K <= 0 || K % block != 0) return 0;
+  dispatch<GroupBytesOp>(format, K, &bytes);
+  return bytes;
+}
+
+const specserve_abi::GemmEntryPoints kEntryPoints = {
+    specserve_abi::kVersion,
+    kGroupWidth,
+    [](int64_t M) { return groups_per_task(M); },
+    group_bytes_or_zero,
+    [](int64_t M, int64_t K) { return M <= kFusedRows ? int64_t{0} : K * kGroupWidth; },
+    [](int64_t format, const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+       const float* bias, float* y, int64_t y_stride, int64_t g0, int64_t g1, float* scratch) {
+      dispatch<LinearRangeOp>(format, x, M, K, packed, N, bias, y, y_stride, g0, g1, scratch);
+    }};
+
 #endif  // SPECSERVE_QUANTIZED_GEMM
+
+// the address of the entry points (entry_points.h), or 0 where the kernel is not built in
+int64_t quantized_gemm_entry_points() {
+#ifdef SPECSERVE_QUANTIZED_GEMM
+  return reinterpret_cast<int64_t>(&kEntryPoints);
+#else
+  return 0;
+#endif
+}
 
 void check_packed(const at::Tensor& packed, int64_t format, int64_t N, int64_t K) {
 #ifdef SPECSERVE_QUANTIZED_GEMM
@@ -481,4 +530,5 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
         "Tensor",
         &quantized_rows);
   m.def("quantized_gemm_supported() -> bool", &quantized_gemm_supported);
+  m.def("quantized_gemm_entry_points() -> int", &quantized_gemm_entry_points);
 }

@@ -1,0 +1,487 @@
+// A Llama-family decoder's forward pass on packed weights, as ONE native call on the CPU.
+//
+// The torch path (engine/models/llama.py with specserve's ops) runs ~400 ops a decode step; each is a
+// dispatch, and each parallel one an OpenMP fork and join in which every thread must turn up. On two
+// cores that glue cost ~2.3 ms of a ~14 ms token, and whenever another process (the HTTP server)
+// takes a core, every fork waits for the descheduled thread (docs/perf.md, issue 41). Here the
+// whole stack runs inside one parallel region: the threads take pieces of each stage from a shared
+// counter (a late thread's pieces are done by the others) and meet at a barrier only where a stage
+// needs the previous one whole: 6 per layer.
+//
+// Per layer, for the T rows of the step:
+//   each thread  RMSNorm of the residual rows (its own copy: cheaper than a barrier)
+//   pieces       q|k|v = x W_qkv^T (+ bias)                                       | barrier
+//   rows         rotary on q and k, q to a contiguous buffer, k and v to the cache | barrier
+//   pieces       paged attention work items (one plan serves every layer)         | barrier
+//   pieces       o-projection, each piece adding its features into the residual   | barrier
+//   each thread  RMSNorm of the residual rows
+//   pieces       gate and up of the same features, then SiLU(gate) * up            | barrier
+//   pieces       down-projection, added into the residual                          | barrier
+// then the final RMSNorm. The LM head stays a separate op: only the rows that sample need it.
+//
+// Numerics: bit for bit the torch path's. The matmuls and attention are the very same compiled
+// kernels, reached through entry_points.h; the norms, rotary and SiLU share decoder_math.h with
+// decoder_ops.cpp; residual adds are single IEEE adds, as torch's. Every output element is computed
+// by one thread in a fixed order, whatever the split into pieces or the number of threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <omp.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "decoder_math.h"
+#include "entry_points.h"
+
+namespace {
+
+using specserve_abi::AttentionEntryPoints;
+using specserve_abi::AttentionProblem;
+using specserve_abi::GemmEntryPoints;
+
+inline std::string text(int64_t value) { return std::to_string(value); }
+
+struct LinearPart {
+  int64_t format = 0, in_features = 0, out_features = 0, first_feature = 0, num_groups = 0;
+  at::Tensor groups;  // uint8 [num_groups, group bytes], the kernel's layout
+  at::Tensor bias;    // float32 [out_features], or undefined
+};
+
+// A span of one part's groups that a linear's pieces walk: all of a part, or the gate or up half
+// of a fused gate|up part.
+struct GroupSpan {
+  const LinearPart* part = nullptr;
+  int64_t first_group = 0, num_groups = 0;
+};
+
+struct Linear {
+  std::vector<LinearPart> parts;
+  int64_t in_features = 0, out_features = 0;
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm, kv_cache;
+  Linear qkv, o, gate_up, down;
+};
+
+inline const float* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<float>() : nullptr;
+}
+
+class NativeDecoder : public torch::CustomClassHolder {
+ public:
+  NativeDecoder(int64_t gemm_entry_points, int64_t attention_entry_points, int64_t hidden_size,
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                int64_t intermediate_size, double rms_norm_eps, double attention_scale,
+                at::Tensor final_norm)
+      : gemm_(reinterpret_cast<const GemmEntryPoints*>(gemm_entry_points)),
+        attention_(reinterpret_cast<const AttentionEntryPoints*>(attention_entry_points)),
+        hidden_(hidden_size),
+        num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        intermediate_(intermediate_size),
+        eps_(static_cast<float>(rms_norm_eps)),
+        scale_(static_cast<float>(attention_scale)),
+        final_norm_(std::move(final_norm)) {
+    TORCH_CHECK(gemm_ != nullptr && gemm_->version == specserve_abi::kVersion,
+                "NativeDecoder: the packed matmul library is missing or of another version");
+    TORCH_CHECK(attention_ != nullptr && attention_->version == specserve_abi::kVersion,
+                "NativeDecoder: the paged attention library is missing or of another version");
+    TORCH_CHECK(head_dim % 8 == 0 && num_heads % num_kv_heads == 0,
+                "NativeDecoder: head_dim must be a multiple of 8 and heads a multiple of kv heads");
+    check_vector(final_norm_, hidden_, "final norm");
+  }
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm) {
+    check_vector(input_norm, hidden_, "input norm");
+    check_vector(post_norm, hidden_, "post-attention norm");
+    Layer layer;
+    layer.input_norm = std::move(input_norm);
+    layer.post_norm = std::move(post_norm);
+    layers_.push_back(std::move(layer));
+  }
+
+  // one part of a layer's linear ("qkv", "o", "gate_up", "down"), parts in output order
+  void add_linear_part(int64_t layer, std::string which, int64_t format, at::Tensor groups,
+                       int64_t out_features, int64_t in_features, std::optional<at::Tensor> bias) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()),
+                "NativeDecoder: no layer " + text(layer));
+    Linear& linear = linear_named(layers_[layer], which);
+    TORCH_CHECK(groups.scalar_type() == at::kByte && groups.dim() == 2 && groups.is_contiguous() &&
+                    groups.device().is_cpu(),
+                "NativeDecoder: packed groups must be contiguous uint8 [groups, bytes]");
+    const int64_t width = gemm_->group_width, num_groups = groups.size(0);
+    TORCH_CHECK(num_groups * width >= out_features && (num_groups - 1) * width < out_features,
+                "NativeDecoder: " + text(num_groups) + " groups do not hold " + text(out_features));
+    const int64_t bytes = gemm_->group_bytes(format, in_features);
+    TORCH_CHECK(bytes > 0 && groups.size(1) == bytes,
+                "NativeDecoder: format " + text(format) + " at K=" + text(in_features) +
+                    " needs groups of " + text(bytes) + " bytes, got " + text(groups.size(1)));
+    TORCH_CHECK(linear.parts.empty() || linear.in_features == in_features,
+                "NativeDecoder: the parts of one linear differ in inputs");
+    LinearPart part;
+    part.format = format;
+    part.in_features = in_features;
+    part.out_features = out_features;
+    part.first_feature = linear.out_features;
+    part.num_groups = num_groups;
+    part.groups = std::move(groups);
+    if (bias.has_value() && bias->defined()) {
+      check_vector(*bias, out_features, "bias");
+      part.bias = *bias;
+    }
+    linear.parts.push_back(std::move(part));
+    linear.in_features = in_features;
+    linear.out_features += out_features;
+  }
+
+  // per layer [2, num_kv_heads, num_blocks, block_size, head_dim] float32, as the runner holds them
+  void set_kv_caches(std::vector<at::Tensor> caches) {
+    TORCH_CHECK(caches.size() == layers_.size(), "NativeDecoder: one cache per layer expected");
+    for (size_t i = 0; i < caches.size(); ++i) {
+      const at::Tensor& c = caches[i];
+      TORCH_CHECK(c.dim() == 5 && c.size(0) == 2 && c.size(1) == num_kv_heads_ &&
+                      c.size(4) == head_dim_ && c.scalar_type() == at::kFloat &&
+                      c.is_contiguous() && c.device().is_cpu(),
+                  "NativeDecoder: layer " + text(static_cast<int64_t>(i)) +
+                      "'s cache is not a contiguous float32 [2, kv heads, blocks, block, head_dim]");
+      layers_[i].kv_cache = c;
+    }
+  }
+
+  // Checks every shape once the model is in: false (and why) if the pass cannot run this model.
+  std::string check_ready() const {
+    if (layers_.empty()) return "no layers";
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      const std::string at = " (layer " + text(static_cast<int64_t>(i)) + ")";
+      if (l.qkv.out_features != q_size + 2 * kv_size || l.qkv.in_features != hidden_)
+        return "q|k|v projection shape" + at;
+      if (l.o.out_features != hidden_ || l.o.in_features != q_size) return "o projection shape" + at;
+      if (l.gate_up.out_features != 2 * intermediate_ || l.gate_up.in_features != hidden_)
+        return "gate|up projection shape" + at;
+      if (l.down.out_features != hidden_ || l.down.in_features != intermediate_)
+        return "down projection shape" + at;
+      if (gate_and_up(l.gate_up).first.part == nullptr)
+        return "gate|up parts do not split into gate and up" + at;
+    }
+    return "";
+  }
+
+  // x: [T, hidden] embedded inputs; cos, sin: [T, head_dim / 2]; slot_mapping: [T] int64;
+  // block_tables [num_seqs, max_blocks], seq_lens [num_seqs], cu_num_query_tokens [num_seqs + 1]:
+  // int32; tree_mask: [T] int64 or none (engine/runner/attention.py). Returns the final-norm
+  // hidden states [T, hidden] and the residual stream entering each of `aux_layers`, side by side
+  // ([T, len(aux_layers) * hidden]).
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
+                                             at::Tensor slot_mapping, at::Tensor block_tables,
+                                             at::Tensor seq_lens, at::Tensor cu_num_query_tokens,
+                                             std::optional<at::Tensor> tree_mask,
+                                             int64_t sliding_window,
+                                             std::vector<int64_t> aux_layers) {
+    const std::string not_ready = check_ready();
+    TORCH_CHECK(not_ready.empty(), "NativeDecoder: " + not_ready);
+    TORCH_CHECK(layers_[0].kv_cache.defined(), "NativeDecoder: set_kv_caches first");
+    const int64_t T = x.size(0), half = head_dim_ / 2;
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat &&
+                    x.device().is_cpu(),
+                "NativeDecoder: x must be float32 [T, hidden]");
+    for (const at::Tensor* t : {&cos, &sin})
+      TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == half &&
+                      t->scalar_type() == at::kFloat && t->stride(1) == 1,
+                  "NativeDecoder: cos and sin must be float32 [T, head_dim / 2] with unit stride");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                    slot_mapping.numel() == T,
+                "NativeDecoder: slot_mapping must be [T] int64");
+    const int num_seqs = static_cast<int>(seq_lens.numel());
+    TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                    cu_num_query_tokens.scalar_type() == at::kInt &&
+                    block_tables.is_contiguous() && seq_lens.is_contiguous() &&
+                    cu_num_query_tokens.is_contiguous() && block_tables.dim() == 2 &&
+                    block_tables.size(0) == num_seqs &&
+                    cu_num_query_tokens.numel() == num_seqs + 1 &&
+                    cu_num_query_tokens.const_data_ptr<int32_t>()[num_seqs] == T,
+                "NativeDecoder: attention metadata must be contiguous int32 of matching sizes");
+    const int64_t* tree = nullptr;
+    if (tree_mask.has_value() && tree_mask->defined()) {
+      TORCH_CHECK(tree_mask->scalar_type() == at::kLong && tree_mask->is_contiguous() &&
+                      tree_mask->numel() == T,
+                  "NativeDecoder: tree_mask must be [T] int64");
+      tree = tree_mask->const_data_ptr<int64_t>();
+    }
+    const int64_t num_layers = static_cast<int64_t>(layers_.size());
+    std::vector<int64_t> aux_slot(num_layers, -1);
+    for (size_t j = 0; j < aux_layers.size(); ++j) {
+      TORCH_CHECK(aux_layers[j] >= 0 && aux_layers[j] < num_layers,
+                  "NativeDecoder: no layer " + text(aux_layers[j]));
+      aux_slot[aux_layers[j]] = static_cast<int64_t>(j);
+    }
+    const int64_t num_slots = layers_[0].kv_cache.size(2) * layers_[0].kv_cache.size(3);
+    const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+    for (int64_t r = 0; r < T; ++r)
+      TORCH_CHECK(slots[r] >= 0 && slots[r] < num_slots,
+                  "NativeDecoder: slot " + text(slots[r]) + " out of the cache");
+
+    const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t qkv_width = q_size + 2 * kv_size;
+    const at::TensorOptions options = x.options();
+    at::Tensor residual = x.contiguous().clone();
+    at::Tensor out = at::empty({T, hidden_}, options);
+    at::Tensor aux = at::empty({T, static_cast<int64_t>(aux_layers.size()) * hidden_}, options);
+    // one buffer for the step's activations: q|k|v, q, attention, gate|up, SiLU(gate) * up, and
+    // the output of a projection before it joins the residual
+    const int64_t floats = T * (qkv_width + q_size + q_size + 2 * intermediate_ + intermediate_ +
+                                hidden_);
+    std::unique_ptr<float[]> buffer(new float[floats]);
+    Activations act;
+    act.qkv = buffer.get();
+    act.q = act.qkv + T * qkv_width;
+    act.attended = act.q + T * q_size;
+    act.gate_up = act.attended + T * q_size;
+    act.silu = act.gate_up + T * 2 * intermediate_;
+    act.projected = act.silu + T * intermediate_;
+
+    AttentionProblem problem{act.q, nullptr, nullptr, block_tables.const_data_ptr<int32_t>(),
+                             seq_lens.const_data_ptr<int32_t>(),
+                             cu_num_query_tokens.const_data_ptr<int32_t>(), tree, act.attended,
+                             block_tables.size(1), layers_[0].kv_cache.size(2),
+                             static_cast<int>(num_heads_), static_cast<int>(num_kv_heads_),
+                             static_cast<int>(head_dim_),
+                             static_cast<int>(layers_[0].kv_cache.size(3)),
+                             static_cast<int>(sliding_window), scale_};
+    const int num_threads = std::max(1, at::get_num_threads());
+    int64_t num_items = 0;
+    std::unique_ptr<void, void (*)(void*)> plan(
+        attention_->plan(&problem, num_seqs, num_threads, &num_items), attention_->free_plan);
+
+    constexpr int64_t kStagesPerLayer = 6;
+    std::unique_ptr<std::atomic<int64_t>[]> counters(
+        new std::atomic<int64_t>[num_layers * kStagesPerLayer + 1]);
+    for (int64_t i = 0; i < num_layers * kStagesPerLayer + 1; ++i) counters[i].store(0);
+
+    float* x_rows = residual.data_ptr<float>();
+    const float* cos_ptr = cos.const_data_ptr<float>();
+    const float* sin_ptr = sin.const_data_ptr<float>();
+    const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
+    const int64_t per_task = gemm_->groups_per_task(T);
+    const int64_t scratch_floats =
+        std::max({gemm_->scratch_floats(T, hidden_), gemm_->scratch_floats(T, q_size),
+                  gemm_->scratch_floats(T, intermediate_)});
+
+#pragma omp parallel num_threads(num_threads)
+    {
+      std::unique_ptr<float[]> normed(new float[T * hidden_]);
+      std::unique_ptr<float[]> scratch(new float[std::max<int64_t>(1, scratch_floats)]);
+      std::unique_ptr<void, void (*)(void*)> attention_scratch(attention_->new_scratch(),
+                                                               attention_->free_scratch);
+      const int thread = omp_get_thread_num();
+      for (int64_t li = 0; li < num_layers; ++li) {
+        const Layer& layer = layers_[li];
+        std::atomic<int64_t>* stage = &counters[li * kStagesPerLayer];
+        if (aux_slot[li] >= 0 && thread == 0)
+          for (int64_t r = 0; r < T; ++r)
+            std::memcpy(aux.data_ptr<float>() + r * aux.size(1) + aux_slot[li] * hidden_,
+                        x_rows + r * hidden_, hidden_ * sizeof(float));
+        normalize_rows(x_rows, layer.input_norm.const_data_ptr<float>(), T, normed.get());
+        // q|k|v
+        for_each_piece(stage[0], linear_pieces(layer.qkv, per_task), [&](int64_t piece) {
+          run_piece(layer.qkv, piece, per_task, normed.get(), T, act.qkv, qkv_width,
+                    scratch.get());
+        });
+#pragma omp barrier
+        // rotary, q gathered, k and v into the cache
+        const float* cache = layer.kv_cache.const_data_ptr<float>();
+        float* key_cache = const_cast<float*>(cache);
+        float* value_cache = key_cache + num_kv_heads_ * num_slots * head_dim_;
+        for_each_piece(stage[1], T, [&](int64_t r) {
+          float* row = act.qkv + r * qkv_width;
+          specserve_math::rotate_heads(row, cos_ptr + r * cos_stride, sin_ptr + r * sin_stride,
+                                       num_heads_ + num_kv_heads_, head_dim_);
+          std::memcpy(act.q + r * q_size, row, q_size * sizeof(float));
+          for (int64_t h = 0; h < num_kv_heads_; ++h) {
+            const int64_t at = (h * num_slots + slots[r]) * head_dim_;
+            std::memcpy(key_cache + at, row + q_size + h * head_dim_, head_dim_ * sizeof(float));
+            std::memcpy(value_cache + at, row + q_size + kv_size + h * head_dim_,
+                        head_dim_ * sizeof(float));
+          }
+        });
+#pragma omp barrier
+        AttentionProblem layer_problem = problem;
+        layer_problem.key_cache = key_cache;
+        layer_problem.value_cache = value_cache;
+        for_each_piece(stage[2], num_items, [&](int64_t item) {
+          attention_->run_item(&layer_problem, plan.get(), item, attention_scratch.get());
+        });
+#pragma omp barrier
+        // o-projection, into the residual
+        for_each_piece(stage[3], linear_pieces(layer.o, per_task), [&](int64_t piece) {
+          const auto [n0, n1] = run_piece(layer.o, piece, per_task, act.attended, T,
+                                          act.projected, hidden_, scratch.get());
+          add_columns(act.projected, x_rows, T, n0, n1);
+        });
+#pragma omp barrier
+        normalize_rows(x_rows, layer.post_norm.const_data_ptr<float>(), T, normed.get());
+        // gate and up of the same features, then SiLU(gate) * up
+        const std::pair<GroupSpan, GroupSpan> spans = gate_and_up(layer.gate_up);
+        const GroupSpan &gate = spans.first, &up = spans.second;
+        const int64_t gate_pieces = (gate.num_groups + per_task - 1) / per_task;
+        for_each_piece(stage[4], gate_pieces, [&](int64_t piece) {
+          const int64_t g0 = piece * per_task, g1 = std::min(g0 + per_task, gate.num_groups);
+          run_span(gate, g0, g1, normed.get(), T, act.gate_up, 2 * intermediate_, scratch.get());
+          run_span(up, g0, g1, normed.get(), T, act.gate_up + intermediate_, 2 * intermediate_,
+                   scratch.get());
+          const int64_t c0 = g0 * gemm_->group_width;
+          const int64_t c1 = std::min(g1 * gemm_->group_width, intermediate_);
+          for (int64_t r = 0; r < T; ++r) {
+            const float* g = act.gate_up + r * 2 * intermediate_;
+            specserve_math::silu_and_mul_row(g + c0, g + intermediate_ + c0, c1 - c0,
+                                             act.silu + r * intermediate_ + c0);
+          }
+        });
+#pragma omp barrier
+        // down-projection, into the residual
+        for_each_piece(stage[5], linear_pieces(layer.down, per_task), [&](int64_t piece) {
+          const auto [n0, n1] = run_piece(layer.down, piece, per_task, act.silu, T,
+                                          act.projected, hidden_, scratch.get());
+          add_columns(act.projected, x_rows, T, n0, n1);
+        });
+#pragma omp barrier
+      }
+      for_each_piece(counters[num_layers * kStagesPerLayer], T, [&](int64_t r) {
+        specserve_math::normalize_row(x_rows + r * hidden_, final_norm_.const_data_ptr<float>(),
+                                      eps_, hidden_, out.data_ptr<float>() + r * hidden_);
+      });
+    }
+    return {out, aux};
+  }
+
+ private:
+  struct Activations {
+    float *qkv, *q, *attended, *gate_up, *silu, *projected;
+  };
+
+  static void check_vector(const at::Tensor& t, int64_t size, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.numel() == size && t.scalar_type() == at::kFloat &&
+                    t.is_contiguous() && t.device().is_cpu(),
+                std::string("NativeDecoder: ") + name + " must be contiguous float32 [" +
+                    text(size) + "]");
+  }
+
+  static Linear& linear_named(Layer& layer, const std::string& which) {
+    if (which == "qkv") return layer.qkv;
+    if (which == "o") return layer.o;
+    if (which == "gate_up") return layer.gate_up;
+    TORCH_CHECK(which == "down", "NativeDecoder: no linear named " + which);
+    return layer.down;
+  }
+
+  // the gate and up halves as group spans: one part holding both (its up half starting on a
+  // group), or two parts; {nullptr} spans when neither
+  std::pair<GroupSpan, GroupSpan> gate_and_up(const Linear& linear) const {
+    const int64_t width = gemm_->group_width;
+    if (linear.parts.size() == 1 && intermediate_ % width == 0) {
+      const LinearPart* part = &linear.parts[0];
+      const int64_t half = intermediate_ / width;
+      return {{part, 0, half}, {part, half, half}};
+    }
+    if (linear.parts.size() == 2 && linear.parts[0].out_features == intermediate_ &&
+        linear.parts[0].num_groups == linear.parts[1].num_groups)
+      return {{&linear.parts[0], 0, linear.parts[0].num_groups},
+              {&linear.parts[1], 0, linear.parts[1].num_groups}};
+    return {};
+  }
+
+  static int64_t linear_pieces(const Linear& linear, int64_t per_task) {
+    int64_t pieces = 0;
+    for (const LinearPart& part : linear.parts) pieces += (part.num_groups + per_task - 1) / per_task;
+    return pieces;
+  }
+
+  // groups [g0, g1) of a span; y points at the span's feature 0 of row 0
+  void run_span(const GroupSpan& span, int64_t g0, int64_t g1, const float* x, int64_t T, float* y,
+                int64_t y_stride, float* scratch) const {
+    const LinearPart& part = *span.part;
+    const int64_t shift = span.first_group * gemm_->group_width;
+    const float* bias = data_or_null(part.bias);
+    gemm_->linear_groups(part.format, x, T, part.in_features,
+                         part.groups.const_data_ptr<uint8_t>() +
+                             span.first_group * part.groups.size(1),
+                         part.out_features - shift, bias ? bias + shift : nullptr, y, y_stride,
+                         g0, g1, scratch);
+  }
+
+  // piece `piece` of a linear at T rows: its features [n0, n1) of the linear's output
+  std::pair<int64_t, int64_t> run_piece(const Linear& linear, int64_t piece, int64_t per_task,
+                                        const float* x, int64_t T, float* y, int64_t y_stride,
+                                        float* scratch) const {
+    for (const LinearPart& part : linear.parts) {
+      const int64_t pieces = (part.num_groups + per_task - 1) / per_task;
+      if (piece >= pieces) {
+        piece -= pieces;
+        continue;
+      }
+      const int64_t g0 = piece * per_task, g1 = std::min(g0 + per_task, part.num_groups);
+      gemm_->linear_groups(part.format, x, T, linear.in_features,
+                           part.groups.const_data_ptr<uint8_t>(), part.out_features,
+                           data_or_null(part.bias), y + part.first_feature, y_stride, g0, g1,
+                           scratch);
+      const int64_t n0 = part.first_feature + g0 * gemm_->group_width;
+      return {n0, part.first_feature + std::min(g1 * gemm_->group_width, part.out_features)};
+    }
+    return {0, 0};
+  }
+
+  void normalize_rows(const float* x, const float* weight, int64_t T, float* out) const {
+    for (int64_t r = 0; r < T; ++r)
+      specserve_math::normalize_row(x + r * hidden_, weight, eps_, hidden_, out + r * hidden_);
+  }
+
+  // residual[:, n0:n1] += projected[:, n0:n1]
+  void add_columns(const float* projected, float* residual, int64_t T, int64_t n0,
+                   int64_t n1) const {
+    for (int64_t r = 0; r < T; ++r) {
+      float* x = residual + r * hidden_;
+      const float* p = projected + r * hidden_;
+      for (int64_t n = n0; n < n1; ++n) x[n] = x[n] + p[n];
+    }
+  }
+
+  template <class Body>
+  static void for_each_piece(std::atomic<int64_t>& next, int64_t count, Body&& body) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
+         i = next.fetch_add(1, std::memory_order_relaxed))
+      body(i);
+  }
+
+  const GemmEntryPoints* gemm_;
+  const AttentionEntryPoints* attention_;
+  int64_t hidden_, num_heads_, num_kv_heads_, head_dim_, intermediate_;
+  float eps_, scale_;
+  at::Tensor final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specserve, m) {
+  m.class_<NativeDecoder>("NativeDecoder")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                       double, at::Tensor>())
+      .def("add_layer", &NativeDecoder::add_layer)
+      .def("add_linear_part", &NativeDecoder::add_linear_part)
+      .def("set_kv_caches", &NativeDecoder::set_kv_caches)
+      .def("check_ready", &NativeDecoder::check_ready)
+      .def("forward", &NativeDecoder::forward);
+}

@@ -1,0 +1,109 @@
+"""The native CPU pass (engine/models/native_pass.py) gives the torch path's hidden states, KV
+cache and EAGLE-3 features bit for bit: prefill chunks, decode, 2-12 verification rows, batched
+sequences, trees and a sliding window, on q/k/v and gate/up parts of different formats, with and
+without a q/k/v bias, on one thread and two."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine.kv.block_manager import BlockManager
+from engine.models.build import allocate_kv_cache, build_model
+from engine.models.loader import load_checkpoint
+from engine.runner.paged_runner import PagedRunner
+from engine.step.types import SequenceRows
+from kernels.native_decoder import native_decoder_available
+from tests.helpers.tiny_gguf import VOCAB, write_tiny_gguf
+
+pytestmark = pytest.mark.skipif(not native_decoder_available(),
+                                reason="no C++ compiler with AVX2 and F16C for the CPU kernels")
+
+CPU = torch.device("cpu")
+NUM_BLOCKS, BLOCK_SIZE = 64, 8
+# every linear packed: layer 0's q/k/v in three formats and gate/up in two (parts side by side),
+# layer 1's in one format each (one fused part)
+ALL_PACKED = {
+    "token_embd.weight": "Q8_0", "output.weight": "Q4_1",
+    "blk.0.attn_q.weight": "F16", "blk.0.attn_k.weight": "Q8_0", "blk.0.attn_v.weight": "Q4_0",
+    "blk.0.attn_output.weight": "BF16", "blk.0.ffn_gate.weight": "Q4_1",
+    "blk.0.ffn_up.weight": "Q8_0", "blk.0.ffn_down.weight": "Q8_0",
+    "blk.1.attn_q.weight": "Q4_0", "blk.1.attn_k.weight": "Q4_0", "blk.1.attn_v.weight": "Q4_0",
+    "blk.1.attn_output.weight": "Q4_1", "blk.1.ffn_gate.weight": "Q4_0",
+    "blk.1.ffn_up.weight": "Q4_0", "blk.1.ffn_down.weight": "Q4_1",
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("native") / f"{request.param}.gguf"
+    write_tiny_gguf(path, request.param, ALL_PACKED)
+    module, backend = build_model(load_checkpoint(str(path), torch.float32, packed=True),
+                                  torch.float32, CPU)
+    assert module.native_pass is not None and "native pass" in backend
+    return module
+
+
+def runner(module, sliding_window):
+    return PagedRunner(module, allocate_kv_cache(module.arch, NUM_BLOCKS, BLOCK_SIZE,
+                                                 torch.float32, CPU),
+                       BlockManager(NUM_BLOCKS, BLOCK_SIZE), sliding_window, CPU)
+
+
+def steps(rng: random.Random) -> list[list[SequenceRows]]:
+    """A conversation of passes: two prompts batched, decode, growing verification, a batch of a
+    decode and a verification, a tree."""
+    tokens = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
+    passes = [[SequenceRows("a", 0, tokens(30)), SequenceRows("b", 0, tokens(7))],
+              [SequenceRows("a", 30, tokens(1))]]
+    start = 31
+    for rows in (2, 3, 4, 5, 6, 7, 12):
+        passes.append([SequenceRows("a", start, tokens(rows))])
+        start += rows
+    passes.append([SequenceRows("a", start, tokens(1)), SequenceRows("b", 7, tokens(5))])
+    passes.append([SequenceRows("b", 12, tokens(6), parents=[-1, 0, 0, 1, 1, 2])])
+    return passes
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("sliding_window", [None, 8])
+def test_native_pass_equals_the_torch_path_bit_for_bit(model, threads, sliding_window):
+    native_pass = model.native_pass
+    native, reference = runner(model, sliding_window), runner(model, sliding_window)
+    model.aux_hidden_layers = (0, 1)
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for sequences in steps(random.Random(threads)):
+            outputs = []
+            for run, pass_ in ((native, native_pass), (reference, None)):
+                for rows in sequences:
+                    assert run.reserve(rows.seq_id, rows.start + len(rows.token_ids))
+                model.native_pass = pass_
+                hidden = run.run(run.prepare(sequences))
+                outputs.append((hidden, model.aux_hidden_states))
+            (hidden, aux), (expected, expected_aux) = outputs
+            assert hidden.shape == expected.shape
+            assert torch.equal(hidden, expected), (hidden - expected).abs().max()
+            assert torch.equal(aux, expected_aux)
+        for ours, theirs in zip(native.kv_caches, reference.kv_caches):
+            assert torch.equal(ours, theirs)
+    finally:
+        model.native_pass = native_pass
+        model.aux_hidden_layers = ()
+        model.aux_hidden_states = None
+        torch.set_num_threads(saved_threads)
+
+
+def test_the_pass_is_left_out_where_it_cannot_run(tmp_path, monkeypatch):
+    path = tmp_path / "mixed.gguf"
+    write_tiny_gguf(path)  # layer 0's down projection is Q5_0, which is expanded to float32
+    checkpoint = load_checkpoint(str(path), torch.float32, packed=True)
+    assert build_model(checkpoint, torch.float32, CPU)[0].native_pass is None
+    monkeypatch.setenv("SPECSERVE_NATIVE_PASS", "0")
+    path = tmp_path / "packed.gguf"
+    write_tiny_gguf(path, formats=ALL_PACKED)
+    checkpoint = load_checkpoint(str(path), torch.float32, packed=True)
+    assert build_model(checkpoint, torch.float32, CPU)[0].native_pass is None
