@@ -11,7 +11,10 @@ context (the embedded model, packed, after a held-out prompt's prefill):
     the rest     what no wrapper holds: the embedding lookup, Python and torch dispatch between the
                  ops, each op's thread-team fork and join, residual adds
 
-The wrappers cost ~1 us a call (measured and reported; ~0.4 ms over a pass's ~400 calls), which
+On the native pass (engine/models/native_pass.py) the parts come from its own stage clock (thread 0,
+each stage's barrier wait included): the matmul stages, rotary + KV write + attention, the norms;
+"the rest" is then the embedding, the rotary tables and the call itself. Both paths are measured pass
+by pass alternately. The wrappers cost ~1 us a call (measured and reported; ~0.4 ms over a pass's ~400 calls), which
 lands in the parts, not in "the rest". The engine's step is split as benchmarks/bench_host_work does
 (forward against everything else: scheduling, inputs, sampling, committing); HTTP against the engine
 is a streamed completion's time per token against the step's, on a server started here.
@@ -90,25 +93,53 @@ class Wrapped:
             setattr(owner, attribute, original)
 
 
-def forward_parts(llm: LLM, seq_id: str, context: int, rows: int, passes: int) -> dict[str, float]:
-    """Median ms of each part of one forward pass of `rows` rows after `context` tokens."""
+def forward_parts(llm: LLM, seq_id: str, context: int, rows: int, passes: int
+                  ) -> dict[str, dict[str, float]]:
+    """Median ms of each part of one forward pass of `rows` rows after `context` tokens, on the
+    torch path ("torch") and, where the model has it, the native pass ("native"), pass by pass
+    alternately so both see the same machine."""
     worker = llm.engine.worker
     runner, model = worker.runner, worker.model
+    native_pass = model.native_pass
     assert runner.reserve(seq_id, context + rows)
     inputs = runner.prepare([SequenceRows(seq_id, context, [42] * rows)])
-    samples: dict[str, list[float]] = defaultdict(list)
-    with torch.inference_mode():
-        for i in range(passes + 5):
-            with Wrapped(model) as wrapped:
-                start = time.perf_counter()
-                model.compute_logits(runner.run(inputs))
-                total = time.perf_counter() - start
-            if i >= 5:  # warm-up passes are not counted
-                samples["pass"].append(total)
-                for part in PARTS:
-                    samples[part].append(wrapped.totals[part])
-                samples["the rest"].append(total - sum(wrapped.totals[p] for p in PARTS))
-    return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
+    paths = ("torch", "native") if native_pass is not None else ("torch",)
+    samples = {path: defaultdict(list) for path in paths}
+    try:
+        with torch.inference_mode():
+            for i in range(passes + 5):
+                for path in paths:
+                    model.native_pass = native_pass if path == "native" else None
+                    if path == "native":
+                        native_pass.set_profiling(True)
+                    with Wrapped(model) as wrapped:
+                        start = time.perf_counter()
+                        model.compute_logits(runner.run(inputs))
+                        total = time.perf_counter() - start
+                    if i < 5:  # warm-up passes are not counted
+                        continue
+                    parts = dict(wrapped.totals)
+                    if path == "native":
+                        parts.update(native_parts(native_pass.stage_seconds()))
+                    got = samples[path]
+                    got["pass"].append(total)
+                    for part in PARTS:
+                        got[part].append(parts.get(part, 0.0))
+                    got["the rest"].append(total - sum(parts.get(p, 0.0) for p in PARTS))
+    finally:
+        model.native_pass = native_pass
+        if native_pass is not None:
+            native_pass.set_profiling(False)
+    return {path: {name: statistics.median(values) * 1e3 for name, values in got.items()}
+            for path, got in samples.items()}
+
+
+def native_parts(stages: dict[str, float]) -> dict[str, float]:
+    """The native pass's stage clock (thread 0, barrier waits included) in the table's parts."""
+    return {"matmuls": sum(stages[s] for s in ("q|k|v", "o-projection", "gate|up + SiLU",
+                                               "down-projection")),
+            "attention": stages["rotary + KV write"] + stages["attention"],
+            "other ops": stages["norms"]}
 
 
 def wrapper_cost_us() -> float:
@@ -178,9 +209,9 @@ def main() -> None:
               "context": len(prompt) + 64, "wrapper_us_per_call": round(wrapper_cost_us(), 2)}
     core.worker.runner.reserve("bench", len(prompt) + 80)
     for rows in (1, 5):
-        result[f"forward_{rows}_rows_ms"] = {
-            k: round(v, 2) for k, v in forward_parts(llm, "bench", len(prompt) + 64, rows,
-                                                      args.passes).items()}
+        for path, parts in forward_parts(llm, "bench", len(prompt) + 64, rows,
+                                         args.passes).items():
+            result[f"forward_{path}_{rows}_rows_ms"] = {k: round(v, 2) for k, v in parts.items()}
     core.worker.runner.free("bench")
     result["engine_step_ms"] = {k: round(v, 2) for k, v in
                                 engine_step(llm, prompt, args.passes).items()}
@@ -196,10 +227,14 @@ def main() -> None:
 def print_table(result: dict) -> None:
     print(f"CPU: {result['cpu']}, {result['threads']} threads, context {result['context']} "
           f"tokens; wrappers {result['wrapper_us_per_call']} us a call")
-    one, five = result["forward_1_rows_ms"], result["forward_5_rows_ms"]
-    print(f"{'part':<34}{'1 row ms':>10}{'5 rows ms':>11}")
+    paths = [p for p in ("torch", "native") if f"forward_{p}_1_rows_ms" in result]
+    header = "".join(f"{p + ', ' + str(r) + ' row' + ('s' if r > 1 else '') + ' ms':>20}"
+                     for p in paths for r in (1, 5))
+    print(f"{'part':<34}{header}")
     for part in (*PARTS, "the rest", "pass"):
-        print(f"{'  forward: ' + part:<34}{one[part]:>10.2f}{five[part]:>11.2f}")
+        cells = "".join(f"{result[f'forward_{p}_{r}_rows_ms'][part]:>20.2f}"
+                        for p in paths for r in (1, 5))
+        print(f"{'  forward: ' + part:<34}{cells}")
     step = result["engine_step_ms"]
     print(f"{'engine step (plain decode)':<34}{step['step']:>10.2f}")
     print(f"{'  of which the forward':<34}{step['forward']:>10.2f}")

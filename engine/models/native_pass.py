@@ -22,6 +22,9 @@ from kernels.native_decoder import native_decoder_available, new_native_decoder
 logger = logging.getLogger(__name__)
 
 NATIVE_PASS_ENV = "SPECSERVE_NATIVE_PASS"
+# what the pass's profile splits its time into (native_decoder.cpp's enum Stage, in order)
+NATIVE_STAGES = ("norms", "q|k|v", "rotary + KV write", "attention", "o-projection",
+                 "gate|up + SiLU", "down-projection")
 # the decoder's linears, as (module path within a layer, the pass's name for it)
 _LINEARS = (("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "o"),
             ("mlp.gate_up_proj", "gate_up"), ("mlp.down_proj", "down"))
@@ -55,6 +58,13 @@ class NativePass:
     def runs(meta: AttentionMetadata) -> bool:
         """Whether this step's metadata is the CPU attention kernel's (what the pass reads)."""
         return meta.kernel is not None and not meta.kernel.triton
+
+    def set_profiling(self, on: bool) -> None:
+        """On: every pass adds its thread 0's seconds per stage to `stage_seconds` (reset now)."""
+        self._decoder.set_profiling(on)
+
+    def stage_seconds(self) -> dict[str, float]:
+        return dict(zip(NATIVE_STAGES, self._decoder.stage_seconds()))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata, kv_caches: list[torch.Tensor],

@@ -2,22 +2,24 @@
 //
 // The torch path (engine/models/llama.py with specserve's ops) runs ~400 ops a decode step; each is a
 // dispatch, and each parallel one an OpenMP fork and join in which every thread must turn up. On two
-// cores that glue cost ~2.3 ms of a ~14 ms token, and whenever another process (the HTTP server)
-// takes a core, every fork waits for the descheduled thread (docs/perf.md, issue 41). Here the
-// whole stack runs inside one parallel region: the threads take pieces of each stage from a shared
-// counter (a late thread's pieces are done by the others) and meet at a barrier only where a stage
-// needs the previous one whole: 6 per layer.
+// cores that glue cost ~2.3 ms of a ~14 ms token, and whenever another process (the HTTP server, a
+// client) takes a core, every join waits for the descheduled thread (docs/perf.md, issue 41). Here
+// the whole stack runs inside one parallel region, and no thread ever waits for another to arrive:
+// each stage is cut into pieces that the threads take from a shared counter, and a thread moves on
+// once every piece of the stage is done (run_stage), so a descheduled thread's share is simply
+// taken by the others.
 //
 // Per layer, for the T rows of the step:
-//   each thread  RMSNorm of the residual rows (its own copy: cheaper than a barrier)
-//   pieces       q|k|v = x W_qkv^T (+ bias)                                       | barrier
-//   rows         rotary on q and k, q to a contiguous buffer, k and v to the cache | barrier
-//   pieces       paged attention work items (one plan serves every layer)         | barrier
-//   pieces       o-projection, each piece adding its features into the residual   | barrier
+//   each thread  RMSNorm of the residual rows (its own copy: no stage needed)
+//   pieces       q|k|v = x W_qkv^T (+ bias); the residual rows EAGLE-3 reads, copied out
+//   rows         rotary on q and k, q to a contiguous buffer, k and v to the cache
+//   pieces       paged attention work items (one plan serves every layer)
+//   pieces       o-projection, each piece adding its features into the residual
 //   each thread  RMSNorm of the residual rows
-//   pieces       gate and up of the same features, then SiLU(gate) * up            | barrier
-//   pieces       down-projection, added into the residual                          | barrier
-// then the final RMSNorm. The LM head stays a separate op: only the rows that sample need it.
+//   pieces       gate and up of the same features, then SiLU(gate) * up
+//   pieces       down-projection, added into the residual
+// then the final RMSNorm, by rows. The LM head stays a separate op: only the rows that sample need
+// it.
 //
 // Numerics: bit for bit the torch path's. The matmuls and attention are the very same compiled
 // kernels, reached through entry_points.h; the norms, rotary and SiLU share decoder_math.h with
@@ -37,8 +39,13 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 #include "decoder_math.h"
 #include "entry_points.h"
@@ -73,6 +80,21 @@ struct Layer {
   at::Tensor input_norm, post_norm, kv_cache;
   Linear qkv, o, gate_up, down;
 };
+
+// One stage's pieces: how many were taken, how many are done (a cache line each, not shared).
+struct StageSync {
+  alignas(64) std::atomic<int64_t> taken{0};
+  alignas(64) std::atomic<int64_t> done{0};
+};
+
+// ~10-50 us of pause before a waiting thread starts yielding its core
+constexpr int kSpinsBeforeYield = 1024;
+
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
 
 inline const float* data_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr<float>() : nullptr;
@@ -267,11 +289,11 @@ class NativeDecoder : public torch::CustomClassHolder {
         attention_->plan(&problem, num_seqs, num_threads, &num_items), attention_->free_plan);
 
     constexpr int64_t kStagesPerLayer = 6;
-    std::unique_ptr<std::atomic<int64_t>[]> counters(
-        new std::atomic<int64_t>[num_layers * kStagesPerLayer + 1]);
-    for (int64_t i = 0; i < num_layers * kStagesPerLayer + 1; ++i) counters[i].store(0);
+    std::unique_ptr<StageSync[]> stages(new StageSync[num_layers * kStagesPerLayer + 1]);
 
     float* x_rows = residual.data_ptr<float>();
+    float* aux_rows = aux.data_ptr<float>();
+    const int64_t aux_width = aux.size(1);
     const float* cos_ptr = cos.const_data_ptr<float>();
     const float* sin_ptr = sin.const_data_ptr<float>();
     const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
@@ -287,25 +309,39 @@ class NativeDecoder : public torch::CustomClassHolder {
       std::unique_ptr<void, void (*)(void*)> attention_scratch(attention_->new_scratch(),
                                                                attention_->free_scratch);
       const int thread = omp_get_thread_num();
+      // thread 0's clock, stage by stage (a stage's time includes its wait for others' pieces)
+      const bool timing = profiling_ && thread == 0;
+      double last = timing ? omp_get_wtime() : 0.0;
+      auto mark = [&](Stage stage) {
+        if (!timing) return;
+        const double now = omp_get_wtime();
+        stage_seconds_[stage] += now - last;
+        last = now;
+      };
       for (int64_t li = 0; li < num_layers; ++li) {
         const Layer& layer = layers_[li];
-        std::atomic<int64_t>* stage = &counters[li * kStagesPerLayer];
-        if (aux_slot[li] >= 0 && thread == 0)
-          for (int64_t r = 0; r < T; ++r)
-            std::memcpy(aux.data_ptr<float>() + r * aux.size(1) + aux_slot[li] * hidden_,
-                        x_rows + r * hidden_, hidden_ * sizeof(float));
+        StageSync* stage = &stages[li * kStagesPerLayer];
         normalize_rows(x_rows, layer.input_norm.const_data_ptr<float>(), T, normed.get());
-        // q|k|v
-        for_each_piece(stage[0], linear_pieces(layer.qkv, per_task), [&](int64_t piece) {
-          run_piece(layer.qkv, piece, per_task, normed.get(), T, act.qkv, qkv_width,
-                    scratch.get());
+        mark(kNorms);
+        // q|k|v; the residual rows EAGLE-3 reads are copied out by pieces of this stage, so
+        // before the o-projection changes them
+        const int64_t qkv_pieces = linear_pieces(layer.qkv, per_task);
+        run_stage(stage[0], qkv_pieces + (aux_slot[li] >= 0 ? T : 0), [&](int64_t piece) {
+          if (piece < qkv_pieces) {
+            run_piece(layer.qkv, piece, per_task, normed.get(), T, act.qkv, qkv_width,
+                      scratch.get());
+            return;
+          }
+          const int64_t r = piece - qkv_pieces;
+          std::memcpy(aux_rows + r * aux_width + aux_slot[li] * hidden_, x_rows + r * hidden_,
+                      hidden_ * sizeof(float));
         });
-#pragma omp barrier
+        mark(kQkv);
         // rotary, q gathered, k and v into the cache
         const float* cache = layer.kv_cache.const_data_ptr<float>();
         float* key_cache = const_cast<float*>(cache);
         float* value_cache = key_cache + num_kv_heads_ * num_slots * head_dim_;
-        for_each_piece(stage[1], T, [&](int64_t r) {
+        run_stage(stage[1], T, [&](int64_t r) {
           float* row = act.qkv + r * qkv_width;
           specserve_math::rotate_heads(row, cos_ptr + r * cos_stride, sin_ptr + r * sin_stride,
                                        num_heads_ + num_kv_heads_, head_dim_);
@@ -317,27 +353,28 @@ class NativeDecoder : public torch::CustomClassHolder {
                         head_dim_ * sizeof(float));
           }
         });
-#pragma omp barrier
+        mark(kRotaryAndCache);
         AttentionProblem layer_problem = problem;
         layer_problem.key_cache = key_cache;
         layer_problem.value_cache = value_cache;
-        for_each_piece(stage[2], num_items, [&](int64_t item) {
+        run_stage(stage[2], num_items, [&](int64_t item) {
           attention_->run_item(&layer_problem, plan.get(), item, attention_scratch.get());
         });
-#pragma omp barrier
+        mark(kAttention);
         // o-projection, into the residual
-        for_each_piece(stage[3], linear_pieces(layer.o, per_task), [&](int64_t piece) {
+        run_stage(stage[3], linear_pieces(layer.o, per_task), [&](int64_t piece) {
           const auto [n0, n1] = run_piece(layer.o, piece, per_task, act.attended, T,
                                           act.projected, hidden_, scratch.get());
           add_columns(act.projected, x_rows, T, n0, n1);
         });
-#pragma omp barrier
+        mark(kOutProjection);
         normalize_rows(x_rows, layer.post_norm.const_data_ptr<float>(), T, normed.get());
+        mark(kNorms);
         // gate and up of the same features, then SiLU(gate) * up
         const std::pair<GroupSpan, GroupSpan> spans = gate_and_up(layer.gate_up);
         const GroupSpan &gate = spans.first, &up = spans.second;
         const int64_t gate_pieces = (gate.num_groups + per_task - 1) / per_task;
-        for_each_piece(stage[4], gate_pieces, [&](int64_t piece) {
+        run_stage(stage[4], gate_pieces, [&](int64_t piece) {
           const int64_t g0 = piece * per_task, g1 = std::min(g0 + per_task, gate.num_groups);
           run_span(gate, g0, g1, normed.get(), T, act.gate_up, 2 * intermediate_, scratch.get());
           run_span(up, g0, g1, normed.get(), T, act.gate_up + intermediate_, 2 * intermediate_,
@@ -350,22 +387,32 @@ class NativeDecoder : public torch::CustomClassHolder {
                                              act.silu + r * intermediate_ + c0);
           }
         });
-#pragma omp barrier
+        mark(kGateUp);
         // down-projection, into the residual
-        for_each_piece(stage[5], linear_pieces(layer.down, per_task), [&](int64_t piece) {
+        run_stage(stage[5], linear_pieces(layer.down, per_task), [&](int64_t piece) {
           const auto [n0, n1] = run_piece(layer.down, piece, per_task, act.silu, T,
                                           act.projected, hidden_, scratch.get());
           add_columns(act.projected, x_rows, T, n0, n1);
         });
-#pragma omp barrier
+        mark(kDown);
       }
-      for_each_piece(counters[num_layers * kStagesPerLayer], T, [&](int64_t r) {
+      run_stage(stages[num_layers * kStagesPerLayer], T, [&](int64_t r) {
         specserve_math::normalize_row(x_rows + r * hidden_, final_norm_.const_data_ptr<float>(),
                                       eps_, hidden_, out.data_ptr<float>() + r * hidden_);
       });
+      mark(kNorms);
     }
     return {out, aux};
   }
+
+  // With profiling on, every forward adds thread 0's seconds per stage kind to stage_seconds()
+  // (benchmarks/bench_decode_breakdown.py): norms, q|k|v, rotary and cache writes, attention,
+  // o-projection, gate|up with SiLU, down-projection.
+  void set_profiling(bool on) {
+    profiling_ = on;
+    stage_seconds_.assign(kNumStages, 0.0);
+  }
+  std::vector<double> stage_seconds() const { return stage_seconds_; }
 
  private:
   struct Activations {
@@ -458,12 +505,33 @@ class NativeDecoder : public torch::CustomClassHolder {
     }
   }
 
+  // Pieces 0 .. count - 1 of a stage, taken from a shared counter by whichever threads come, and
+  // back once every piece is done. No thread waits for another to turn up, only for the pieces
+  // already taken: a thread the OS deschedules between pieces (on two cores, whenever the HTTP
+  // server or a client runs) leaves its share to the others instead of holding them all at a
+  // barrier. A late thread only finds the stage done. What a thread computes for itself between
+  // stages (its copy of a norm) is used only by pieces it takes, which it can take only while
+  // the stage is unfinished, i.e. before anyone moved on to change that norm's input.
   template <class Body>
-  static void for_each_piece(std::atomic<int64_t>& next, int64_t count, Body&& body) {
-    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < count;
-         i = next.fetch_add(1, std::memory_order_relaxed))
+  static void run_stage(StageSync& stage, int64_t count, Body&& body) {
+    for (int64_t i = stage.taken.fetch_add(1, std::memory_order_acq_rel); i < count;
+         i = stage.taken.fetch_add(1, std::memory_order_acq_rel)) {
       body(i);
+      stage.done.fetch_add(1, std::memory_order_release);
+    }
+    for (int spins = 0; stage.done.load(std::memory_order_acquire) < count; ++spins) {
+      if (spins < kSpinsBeforeYield) {
+        spin_pause();
+      } else {
+        std::this_thread::yield();  // the thread we wait for may need this core
+      }
+    }
   }
+
+  // engine/models/native_pass.py's NATIVE_STAGES names them, in this order
+  enum Stage {
+    kNorms, kQkv, kRotaryAndCache, kAttention, kOutProjection, kGateUp, kDown, kNumStages
+  };
 
   const GemmEntryPoints* gemm_;
   const AttentionEntryPoints* attention_;
@@ -471,6 +539,8 @@ class NativeDecoder : public torch::CustomClassHolder {
   float eps_, scale_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
+  bool profiling_ = false;
+  std::vector<double> stage_seconds_ = std::vector<double>(kNumStages, 0.0);
 };
 
 }  // namespace
@@ -483,5 +553,7 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
       .def("add_linear_part", &NativeDecoder::add_linear_part)
       .def("set_kv_caches", &NativeDecoder::set_kv_caches)
       .def("check_ready", &NativeDecoder::check_ready)
-      .def("forward", &NativeDecoder::forward);
+      .def("forward", &NativeDecoder::forward)
+      .def("set_profiling", &NativeDecoder::set_profiling)
+      .def("stage_seconds", &NativeDecoder::stage_seconds);
 }
