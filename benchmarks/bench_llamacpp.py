@@ -124,7 +124,8 @@ def start_servers(args: argparse.Namespace, weights_modes: list[str],
         for spec, extra in LLAMACPP_SPECS.items():
             port = free_port()
             command = [str(binary), "-m", files[file], "--host", "127.0.0.1", "--port", str(port),
-                       "-t", threads, "-tb", threads, "-c", "4096", "-np", "1", *extra]
+                       "-t", threads, "-tb", threads, "-c", "4096", "-np", "1", *extra,
+                       *args.llama_args]
             servers.append(LlamaCppServer(f"llama.cpp {file} {spec}", command, port,
                                           env=_llama_env(binary), weights=file, spec=spec))
     return servers
@@ -181,6 +182,9 @@ def is_same_every_time(runs: list[Timing], reference: tuple[list[int], str]) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server")
+    parser.add_argument("--llama-args", nargs="*", default=[],
+                        help="more llama-server arguments, e.g. --llama-args=--no-repack where its "
+                             "AMX path dies (a VM that hides AMX from a Xeon that has it)")
     parser.add_argument("--gguf-dir", default=tempfile.gettempdir(),
                         help="where the F32 GGUF for llama.cpp is written once")
     parser.add_argument("--weights", nargs="+", default=["packed", "float32"],

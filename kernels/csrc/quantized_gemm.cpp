@@ -6,8 +6,8 @@
 //
 // Numerics: a weight dequantizes to exactly the float32 that gguf-py (transformers' GGUF loader)
 // computes (no contraction: built with -ffp-contract=off; the one FMA per weight below rounds where
-// gguf-py's multiply-then-add does, as its product is exact), and every output y[m, n] is ONE fused-multiply-add chain over k = 0 .. K-1, then
-// + bias: the chain of `specserve::packed_linear` (skinny_gemm.cpp) on the dequantized weights, bit
+// gguf-py's multiply-then-add does, as its product is exact), and every output y[m, n] is ONE
+// fused-multiply-add chain over k = 0 .. K-1, then + bias: the chain of `specserve::packed_linear` (skinny_gemm.cpp) on the dequantized weights, bit
 // for bit, whatever the number of rows, the tile or the thread split. So greedy output stays
 // token-identical to the float32 model, alone or batched, with or without speculation.
 //
@@ -17,18 +17,26 @@
 // records as one sequential stream. Per k, 4-bit formats hold 8 bytes (byte j: row j's nibble low,
 // row j + 8's high); 5- and 6-bit add a 16- or 32-bit word of high bits (row j's at bit j, or 2j).
 //
-// Up to 12 rows (a decode or verification step's 1 + k) go in one tile: the weights are read and
-// dequantized once for all of them. More rows (prefill) dequantize a group into a float32 buffer once,
-// then run the float kernel's tiles over it, compute-bound.
+// Up to 12 rows (a decode or verification step's 1 + k) share one pass over a group's stream: its
+// weights are dequantized in registers once for all of them and never stored. The register blocking
+// (kTileGroups) depends on the vector width, the bits do not. AVX-512 (a group's 16 outputs in one
+// 512-bit register, 32 registers; 4-bit formats dequantize in "nibble order", see nibble_values):
+// 1 row x 4 groups, 2-4 rows x 2 groups, 5-12 rows x 1 group. AVX2 (two 256-bit registers per group,
+// 16 registers): 1 row x 4 groups (the scales spill to L1 and feed the FMAs as memory operands),
+// 2-6 rows x 1 group, 7-12 rows x 1 group in two passes, one per half of its 16 lanes (the second
+// reads the group from L1). More rows (prefill) dequantize a group into a float32 buffer once, then
+// run tiles of float rows over it, compute-bound.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "entry_points.h"
@@ -45,85 +53,204 @@ namespace {
 // locale of an older libstdc++ that torch had loaded (seen with g++ 13 on Ubuntu 24.04).
 inline std::string text(int64_t value) { return std::to_string(value); }
 
-constexpr int64_t kLanes = 8;                      // output features per register
-constexpr int64_t kGroupWidth = 2 * kLanes;        // output features per group
-constexpr int64_t kBulkRowTile = 6;                // rows per tile over a dequantized buffer
+constexpr int64_t kGroupWidth = 16;  // output features per group
+// Rows that share one pass over the weights, dequantized in registers (decode: 1, verification:
+// 1 + k); more rows (prefill) take the bulk path over a dequantized buffer
+constexpr int64_t kFusedRows = 12;
 
 // format ids, as kernels/quantized_gemm.py numbers them
 enum Format : int64_t { kF32 = 0, kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kF16, kBF16 };
 
 #ifdef SPECSERVE_QUANTIZED_GEMM
 
-inline __m256 half8(const uint8_t* p) {  // 8 float16 -> float32, exact
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline __m256 int_bytes8(const uint8_t* p, bool is_signed) {  // 8 int8 or uint8 -> float32
-  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw));
-}
-// 8 bytes of nibbles -> the 16 rows' 4-bit values as int32: rows 0-7 from the low nibbles, 8-15 high
-inline void nibbles16(const uint8_t* p, __m256i& lo, __m256i& hi) {
-  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  lo = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
-  hi = _mm256_srli_epi32(bytes, 4);
-}
-// `bits` bits per row of a little-endian word (row j's at j * bits), shifted up by 4, for rows 0-7
-// and 8-15
-inline void high_bits16(uint32_t word, int bits, __m256i& lo, __m256i& hi) {
-  const __m256i all = _mm256_set1_epi32(static_cast<int>(word));
-  const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
-  const __m256i step = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i shift_lo = _mm256_mullo_epi32(step, _mm256_set1_epi32(bits));
-  const __m256i shift_hi = _mm256_add_epi32(shift_lo, _mm256_set1_epi32(8 * bits));
-  lo = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(all, shift_lo), mask), 4);
-  hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(all, shift_hi), mask), 4);
+// A group's 16 outputs are kParts registers ("parts") of kPartLanes floats: one 512-bit register
+// where AVX-512 is built in (32 registers), else two AVX2 ones (16 registers). Only the register
+// blocking differs between the two builds; every FMA chain, and so every bit, is the same.
+#if defined(__AVX512F__)
+#define SPECSERVE_WIDE 1
+using Part = __m512;
+using PartInt = __m512i;
+constexpr int kParts = 1;
+inline Part zero_part() { return _mm512_setzero_ps(); }
+inline Part broadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline Part fmadd(Part a, Part b, Part c) { return _mm512_fmadd_ps(a, b, c); }
+inline Part fmsub(Part a, Part b, Part c) { return _mm512_fmsub_ps(a, b, c); }
+inline Part mul(Part a, Part b) { return _mm512_mul_ps(a, b); }
+inline Part to_float(PartInt v) { return _mm512_cvtepi32_ps(v); }
+inline PartInt or_int(PartInt a, PartInt b) { return _mm512_or_si512(a, b); }
+inline PartInt minus(PartInt a, int b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
+inline Part load_part(const float* p) { return _mm512_loadu_ps(p); }
+inline void store_part(float* out, Part v) { _mm512_storeu_ps(out, v); }
+#else
+using Part = __m256;
+using PartInt = __m256i;
+constexpr int kParts = 2;
+inline Part zero_part() { return _mm256_setzero_ps(); }
+inline Part broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline Part fmadd(Part a, Part b, Part c) { return _mm256_fmadd_ps(a, b, c); }
+inline Part fmsub(Part a, Part b, Part c) { return _mm256_fmsub_ps(a, b, c); }
+inline Part mul(Part a, Part b) { return _mm256_mul_ps(a, b); }
+inline Part to_float(PartInt v) { return _mm256_cvtepi32_ps(v); }
+inline PartInt or_int(PartInt a, PartInt b) { return _mm256_or_si256(a, b); }
+inline PartInt minus(PartInt a, int b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
+inline Part load_part(const float* p) { return _mm256_loadu_ps(p); }
+inline void store_part(float* out, Part v) { _mm256_storeu_ps(out, v); }
+#endif
+constexpr int64_t kPartLanes = kGroupWidth / kParts;
+
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return word;
 }
 
+// 16 float16 -> float32, exact
+inline void halves16(const uint8_t* p, Part* out) {
+#ifdef SPECSERVE_WIDE
+  out[0] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  for (int part = 0; part < kParts; ++part)
+    out[part] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * part)));
+#endif
+}
+// 16 int8 or uint8 -> int32
+inline void bytes16(const uint8_t* p, bool is_signed, PartInt* out) {
+#ifdef SPECSERVE_WIDE
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  out[0] = is_signed ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+#else
+  for (int part = 0; part < kParts; ++part) {
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * part));
+    out[part] = is_signed ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+  }
+#endif
+}
+inline void byte_floats16(const uint8_t* p, bool is_signed, Part* out) {
+  PartInt ints[kParts];
+  bytes16(p, is_signed, ints);
+  for (int part = 0; part < kParts; ++part) out[part] = to_float(ints[part]);
+}
+// 8 bytes of nibbles -> the 16 rows' 4-bit values as int32, in row order: rows 0-7 from the low
+// nibbles, 8-15 from the high ones
+inline void nibbles16(const uint8_t* p, PartInt* out) {
+#ifdef SPECSERVE_WIDE
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_set1_epi64x(static_cast<long long>(load_u64(p))));
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+  out[0] = _mm512_and_si512(_mm512_srlv_epi32(bytes, shift), _mm512_set1_epi32(0x0F));
+#else
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  out[0] = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+  out[1] = _mm256_srli_epi32(bytes, 4);
+#endif
+}
+// `bits` bits per row of a little-endian word (row j's at j * bits), shifted up by 4, in row order
+inline void high_bits16(uint32_t word, int bits, PartInt* out) {
+#ifdef SPECSERVE_WIDE
+  const __m512i shift = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(bits));
+  const __m512i picked = _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int>(word)), shift);
+  out[0] = _mm512_slli_epi32(_mm512_and_si512(picked, _mm512_set1_epi32((1 << bits) - 1)), 4);
+#else
+  const __m256i all = _mm256_set1_epi32(static_cast<int>(word));
+  const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+  const __m256i shift_lo = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                              _mm256_set1_epi32(bits));
+  const __m256i shift_hi = _mm256_add_epi32(shift_lo, _mm256_set1_epi32(8 * bits));
+  out[0] = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(all, shift_lo), mask), 4);
+  out[1] = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(all, shift_hi), mask), 4);
+#endif
+}
+
+#ifdef SPECSERVE_WIDE
+// Nibble order, for the 4-bit formats on AVX-512: lane 4a + b holds row 4b + a (a 4x4 transpose,
+// its own inverse). In it a k's 8 bytes, as one 64-bit word broadcast to the 8 qwords, each shifted
+// right by 4 * its index, leave every lane's nibble in its low 4 bits (lane 2j: nibble j of the
+// word, lane 2j + 1: nibble j + 8), and a permute, which reads only those 4 bits, maps them to
+// floats: 2 instructions (a shift, a permute) for 16 weights' values where row order takes 4.
+inline __m512 nibble_order(__m512 v) {
+  return _mm512_permutexvar_ps(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+}
+// the 16 nibbles of a k, in nibble order, as float(nibble - offset), exactly
+template <int kOffset>
+inline __m512 nibble_values(const uint8_t* p) {
+  const __m512i word = _mm512_set1_epi64(static_cast<long long>(load_u64(p)));
+  const __m512i spread = _mm512_srlv_epi64(word, _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28));
+  const __m512 values = _mm512_setr_ps(0 - kOffset, 1 - kOffset, 2 - kOffset, 3 - kOffset,
+                                       4 - kOffset, 5 - kOffset, 6 - kOffset, 7 - kOffset,
+                                       8 - kOffset, 9 - kOffset, 10 - kOffset, 11 - kOffset,
+                                       12 - kOffset, 13 - kOffset, 14 - kOffset, 15 - kOffset);
+  return _mm512_permutexvar_ps(spread, values);
+}
+constexpr bool kNibbleOrder = true;
+#else
+constexpr bool kNibbleOrder = false;
+#endif
+
 // Each format: kBlock weights of K per record, kSub per scale, a header of kHeader bytes, kQuant
-// bytes of quants per k. begin_sub(record, s) sets the scales of sub-block s; weights(q, w0, w1) gives
-// the 16 rows' float32 weights at one k, as gguf-py computes them.
+// bytes of quants per k. begin_sub(record, s) sets the scales of sub-block s; weights(q, w) gives
+// the 16 rows' float32 weights at one k, as gguf-py computes them, in row order, or in nibble order
+// where kLaneOrder says so (to_rows puts them back).
 
 struct Float32 {  // a dequantized group: 16 floats per k (the bulk path's buffer)
   static constexpr int64_t kBlock = 1, kSub = 1, kHeader = 0, kQuant = 64;
+  static constexpr bool kLaneOrder = false;
   void begin_sub(const uint8_t*, int64_t) {}
-  void weights(const uint8_t* q, __m256& w0, __m256& w1) const {
-    w0 = _mm256_loadu_ps(reinterpret_cast<const float*>(q));
-    w1 = _mm256_loadu_ps(reinterpret_cast<const float*>(q) + kLanes);
+  void weights(const uint8_t* q, Part* w) const {
+    for (int part = 0; part < kParts; ++part)
+      w[part] = load_part(reinterpret_cast<const float*>(q) + part * kPartLanes);
   }
 };
 
 struct F16 {
   static constexpr int64_t kBlock = 1, kSub = 1, kHeader = 0, kQuant = 32;
+  static constexpr bool kLaneOrder = false;
   void begin_sub(const uint8_t*, int64_t) {}
-  void weights(const uint8_t* q, __m256& w0, __m256& w1) const {
-    w0 = half8(q);
-    w1 = half8(q + 16);
-  }
+  void weights(const uint8_t* q, Part* w) const { halves16(q, w); }
 };
 
 struct BF16 {
   static constexpr int64_t kBlock = 1, kSub = 1, kHeader = 0, kQuant = 32;
+  static constexpr bool kLaneOrder = false;
   void begin_sub(const uint8_t*, int64_t) {}
-  static __m256 widen(const uint8_t* p) {
-    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-  }
-  void weights(const uint8_t* q, __m256& w0, __m256& w1) const {
-    w0 = widen(q);
-    w1 = widen(q + 16);
+  void weights(const uint8_t* q, Part* w) const {
+#ifdef SPECSERVE_WIDE
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+#else
+    for (int part = 0; part < kParts; ++part) {
+      const __m256i h = _mm256_cvtepu16_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * part)));
+      w[part] = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    }
+#endif
   }
 };
 
+// scales read in row order, put in the format's lane order
+template <bool kLaneOrder>
+inline void to_lanes(Part* v) {
+#ifdef SPECSERVE_WIDE
+  if constexpr (kLaneOrder) v[0] = nibble_order(v[0]);
+#endif
+}
+
 struct Q4_0 {  // header: d[16] f16;  w = d * (q - 8)
   static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 32, kQuant = 8;
-  __m256 d0, d1;
-  void begin_sub(const uint8_t* rec, int64_t) { d0 = half8(rec); d1 = half8(rec + 16); }
-  void weights(const uint8_t* q, __m256& w0, __m256& w1) const {
-    __m256i lo, hi;
-    nibbles16(q, lo, hi);
-    const __m256i eight = _mm256_set1_epi32(8);
-    w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, eight)));
-    w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, eight)));
+  static constexpr bool kLaneOrder = kNibbleOrder;
+  Part d[kParts];
+  void begin_sub(const uint8_t* rec, int64_t) {
+    halves16(rec, d);
+    to_lanes<kLaneOrder>(d);
+  }
+  void weights(const uint8_t* q, Part* w) const {
+#ifdef SPECSERVE_WIDE
+    w[0] = mul(d[0], nibble_values<8>(q));
+#else
+    PartInt n[kParts];
+    nibbles16(q, n);
+    for (int part = 0; part < kParts; ++part) w[part] = mul(d[part], to_float(minus(n[part], 8)));
+#endif
   }
 };
 
@@ -133,25 +260,33 @@ struct Q4_0 {  // header: d[16] f16;  w = d * (q - 8)
 
 struct Q4_1 {  // header: d[16], m[16] f16;  w = d * q + m (one FMA: d * q is exact)
   static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 64, kQuant = 8;
-  __m256 d0, d1, m0, m1;
+  static constexpr bool kLaneOrder = kNibbleOrder;
+  Part d[kParts], m[kParts];
   void begin_sub(const uint8_t* rec, int64_t) {
-    d0 = half8(rec); d1 = half8(rec + 16); m0 = half8(rec + 32); m1 = half8(rec + 48);
+    halves16(rec, d);
+    halves16(rec + 32, m);
+    to_lanes<kLaneOrder>(d);
+    to_lanes<kLaneOrder>(m);
   }
-  void weights(const uint8_t* q, __m256& w0, __m256& w1) const {
-    __m256i lo, hi;
-    nibbles16(q, lo, hi);
-    w0 = _mm256_fmadd_ps(d0, _mm256_cvtepi32_ps(lo), m0);
-    w1 = _mm256_fmadd_ps(d1, _mm256_cvtepi32_ps(hi), m1);
+  void weights(const uint8_t* q, Part* w) const {
+#ifdef SPECSERVE_WIDE
+    w[0] = fmadd(d[0], nibble_values<0>(q), m[0]);
+#else
+    PartInt n[kParts];
+    nibbles16(q, n);
+    for (int part = 0; part < kParts; ++part) w[part] = fmadd(d[part], to_float(n[part]), m[part]);
+#endif
   }
 };
 
 struct Q8_0 {  // header: d[16] f16;  w = q * d
   static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 32, kQuant = 16;
-  __m256 d0, d1;
-  void begin_sub(const uint8_t* rec, int64_t) { d0 = half8(rec); d1 = half8(rec + 16); }
-  void weights(const uint8_t* q, __m256& w0, __m256& w1) const {
-    w0 = _mm256_mul_ps(int_bytes8(q, true), d0);
-    w1 = _mm256_mul_ps(int_bytes8(q + 8, true), d1);
+  static constexpr bool kLaneOrder = false;
+  Part d[kParts];
+  void begin_sub(const uint8_t* rec, int64_t) { halves16(rec, d); }
+  void weights(const uint8_t* q, Part* w) const {
+    byte_floats16(q, true, w);
+    for (int part = 0; part < kParts; ++part) w[part] = mul(w[part], d[part]);
   }
 };
 
@@ -160,48 +295,59 @@ struct Q8_0 {  // header: d[16] f16;  w = q * d
 template <int kBits>
 struct KQuant {
   static constexpr int64_t kBlock = 256, kSub = 32, kHeader = 320, kQuant = kBits == 4 ? 8 : 10;
-  __m256 s0, s1, o0, o1;
+  static constexpr bool kLaneOrder = kBits == 4 && kNibbleOrder;
+  Part s[kParts], o[kParts];
   void begin_sub(const uint8_t* rec, int64_t sub) {
-    const uint8_t* sc = rec + 64 + sub * 16;
-    const uint8_t* m = rec + 64 + 128 + sub * 16;
-    s0 = _mm256_mul_ps(half8(rec), int_bytes8(sc, false));
-    s1 = _mm256_mul_ps(half8(rec + 16), int_bytes8(sc + 8, false));
-    o0 = _mm256_mul_ps(half8(rec + 32), int_bytes8(m, false));
-    o1 = _mm256_mul_ps(half8(rec + 48), int_bytes8(m + 8, false));
+    Part d[kParts], dmin[kParts], sc[kParts], m[kParts];
+    halves16(rec, d);
+    halves16(rec + 32, dmin);
+    byte_floats16(rec + 64 + sub * 16, false, sc);
+    byte_floats16(rec + 64 + 128 + sub * 16, false, m);
+    for (int part = 0; part < kParts; ++part) {
+      s[part] = mul(d[part], sc[part]);
+      o[part] = mul(dmin[part], m[part]);
+    }
+    to_lanes<kLaneOrder>(s);
+    to_lanes<kLaneOrder>(o);
   }
-  void weights(const uint8_t* q, __m256& w0, __m256& w1) const {
-    __m256i lo, hi;
-    nibbles16(q, lo, hi);
+  void weights(const uint8_t* q, Part* w) const {
+#ifdef SPECSERVE_WIDE
+    if constexpr (kBits == 4) {
+      w[0] = fmsub(s[0], nibble_values<0>(q), o[0]);
+      return;
+    }
+#endif
+    PartInt n[kParts];
+    nibbles16(q, n);
     if constexpr (kBits == 5) {
       uint16_t word;
       std::memcpy(&word, q + 8, sizeof(word));
-      __m256i high_lo, high_hi;
-      high_bits16(word, 1, high_lo, high_hi);
-      lo = _mm256_or_si256(lo, high_lo);
-      hi = _mm256_or_si256(hi, high_hi);
+      PartInt high[kParts];
+      high_bits16(word, 1, high);
+      for (int part = 0; part < kParts; ++part) n[part] = or_int(n[part], high[part]);
     }
-    w0 = _mm256_fmsub_ps(s0, _mm256_cvtepi32_ps(lo), o0);
-    w1 = _mm256_fmsub_ps(s1, _mm256_cvtepi32_ps(hi), o1);
+    for (int part = 0; part < kParts; ++part) w[part] = fmsub(s[part], to_float(n[part]), o[part]);
   }
 };
 
 struct Q6_K {  // header: d[16] f16, sc[16][16] int8 (sub-blocks of 16);  w = (d * sc) * (q - 32)
   static constexpr int64_t kBlock = 256, kSub = 16, kHeader = 288, kQuant = 12;
-  __m256 s0, s1;
+  static constexpr bool kLaneOrder = false;
+  Part s[kParts];
   void begin_sub(const uint8_t* rec, int64_t sub) {
-    const uint8_t* sc = rec + 32 + sub * 16;
-    s0 = _mm256_mul_ps(half8(rec), int_bytes8(sc, true));
-    s1 = _mm256_mul_ps(half8(rec + 16), int_bytes8(sc + 8, true));
+    Part d[kParts], sc[kParts];
+    halves16(rec, d);
+    byte_floats16(rec + 32 + sub * 16, true, sc);
+    for (int part = 0; part < kParts; ++part) s[part] = mul(d[part], sc[part]);
   }
-  void weights(const uint8_t* q, __m256& w0, __m256& w1) const {
-    __m256i lo, hi, high_lo, high_hi;
-    nibbles16(q, lo, hi);
+  void weights(const uint8_t* q, Part* w) const {
+    PartInt n[kParts], high[kParts];
+    nibbles16(q, n);
     uint32_t word;
     std::memcpy(&word, q + 8, sizeof(word));
-    high_bits16(word, 2, high_lo, high_hi);
-    const __m256i bias = _mm256_set1_epi32(32);
-    w0 = _mm256_mul_ps(s0, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, high_lo), bias)));
-    w1 = _mm256_mul_ps(s1, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(hi, high_hi), bias)));
+    high_bits16(word, 2, high);
+    for (int part = 0; part < kParts; ++part)
+      w[part] = mul(s[part], to_float(minus(or_int(n[part], high[part]), 32)));
   }
 };
 
@@ -210,140 +356,177 @@ constexpr int64_t record_bytes() {
   return F::kHeader + F::kBlock * F::kQuant;
 }
 
+// weights in F's lane order -> row order
+template <class F>
+inline void to_rows(Part* w) {
+#ifdef SPECSERVE_WIDE
+  if constexpr (F::kLaneOrder) w[0] = nibble_order(w[0]);
+#endif
+}
+
 constexpr int64_t kPrefetchBytes = 2048;  // how far ahead of its reads a stream is fetched
 
-// Calls visit(g, k, w0, w1) for k = 0 .. K-1 in order and, at each k, groups g = 0 .. kGroups-1
-// (consecutive, `group_bytes` apart) with the 16 weights of group g at k.
-template <class F, int kGroups, class Visit>
-inline __attribute__((always_inline)) void walk_groups(const uint8_t* group, int64_t group_bytes,
-                                                       int64_t K, Visit&& visit) {
-  const int64_t blocks = K / F::kBlock;
+// Register blocking (rows, groups, parts of a group in one pass over the weights): per k, a group
+// costs its dequantization plus one FMA per row and part, and each accumulator is a chain of
+// dependent FMAs (4 cycles each), so a tile needs enough FMAs per k to cover that latency (few
+// rows: several groups) without more accumulators than registers (many rows: one group).
+#ifdef SPECSERVE_WIDE
+// 32 registers: up to 12 rows x 1 group, 4 x 2, or 1 x 4 accumulators and the groups' scales
+constexpr int kTileGroups[kFusedRows + 1] = {0, 4, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1};
+constexpr int64_t kSplitRows = kFusedRows + 1;  // never: the accumulators always fit
+constexpr int64_t kBulkRowTile = 12;            // rows per tile over a dequantized buffer
+#else
+// 16 registers: 1 row x 4 groups takes 8 accumulators, and the 16 scale registers spill to L1,
+// read back as the FMAs' memory operands (loads, no extra instructions); 2-6 rows x 1 group take up
+// to 12. From kSplitRows rows a pass does one half of the group's lanes (rows 0-7, then 8-15) for
+// all rows: up to 12 accumulators, and a half costs half the dequantization, so the two passes (the
+// second reads the group from L1) cost no more dequantization than one.
+constexpr int kTileGroups[kFusedRows + 1] = {0, 4, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+constexpr int64_t kSplitRows = 7;
+constexpr int64_t kBulkRowTile = 6;
+#endif
+
+// rows [0, kRows) of x against kGroups consecutive groups, lanes of parts [kPart0, kPart1): y = x @
+// W^T (+ bias) for those outputs, the `width` first of the groups' features real
+template <class F, int kRows, int kGroups, int kPart0 = 0, int kPart1 = kParts>
+void fused_tile(const float* x, int64_t K, const uint8_t* group, int64_t group_bytes, float* y,
+                int64_t y_stride, int64_t width, const float* bias) {
+  constexpr int kTileParts = kPart1 - kPart0;
+  // an array, its loops fully unrolled, so GCC keeps it in registers
+  Part acc[kRows][kGroups][kTileParts];
+#pragma GCC unroll 64
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 64
+    for (int g = 0; g < kGroups; ++g)
+#pragma GCC unroll 4
+      for (int p = 0; p < kTileParts; ++p) acc[r][g][p] = zero_part();
+  const uint8_t* record = group;
   int64_t k = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* rec = group + b * record_bytes<F>();
+  for (int64_t b = 0; b < K / F::kBlock; ++b, record += record_bytes<F>()) {
     F format[kGroups];
     for (int64_t sub = 0; sub < F::kBlock / F::kSub; ++sub) {
-      for (int g = 0; g < kGroups; ++g) format[g].begin_sub(rec + g * group_bytes, sub);
-      const uint8_t* q = rec + F::kHeader + sub * F::kSub * F::kQuant;
+      for (int g = 0; g < kGroups; ++g) format[g].begin_sub(record + g * group_bytes, sub);
+      const uint8_t* q = record + F::kHeader + sub * F::kSub * F::kQuant;
       for (int64_t i = 0; i < F::kSub; ++i, ++k, q += F::kQuant) {
         if (((q - group) & 63) < F::kQuant)  // once per 64-byte line of the stream
           for (int g = 0; g < kGroups; ++g)
             _mm_prefetch(reinterpret_cast<const char*>(q + g * group_bytes + kPrefetchBytes),
                          _MM_HINT_T0);
-        visit(format, q, k);
+#pragma GCC unroll 64
+        for (int g = 0; g < kGroups; ++g) {
+          Part w[kParts];
+          format[g].weights(q + g * group_bytes, w);
+#pragma GCC unroll 64
+          for (int r = 0; r < kRows; ++r) {
+            const Part xr = broadcast(x + r * K + k);
+#pragma GCC unroll 4
+            for (int p = 0; p < kTileParts; ++p)
+              acc[r][g][p] = fmadd(xr, w[kPart0 + p], acc[r][g][p]);
+          }
+        }
+      }
+    }
+  }
+  // the sums leave the registers through constant indices only: a loop GCC does not unroll would
+  // make it keep the array in memory, stored at every k
+  alignas(64) float out[kRows][kGroups][kGroupWidth];
+#pragma GCC unroll 64
+  for (int r = 0; r < kRows; ++r)
+#pragma GCC unroll 64
+    for (int g = 0; g < kGroups; ++g) {
+      Part sums[kParts];
+#pragma GCC unroll 4
+      for (int p = 0; p < kParts; ++p)
+        sums[p] = p >= kPart0 && p < kPart1 ? acc[r][g][p - kPart0] : zero_part();
+      to_rows<F>(sums);
+#pragma GCC unroll 4
+      for (int p = kPart0; p < kPart1; ++p) store_part(out[r][g] + p * kPartLanes, sums[p]);
+    }
+  for (int r = 0; r < kRows; ++r)
+    for (int g = 0; g < kGroups; ++g) {
+      const int64_t first = g * kGroupWidth;
+      for (int64_t l = kPart0 * kPartLanes; l < kPart1 * kPartLanes && first + l < width; ++l)
+        y[r * y_stride + first + l] = bias ? out[r][g][l] + bias[first + l] : out[r][g][l];
+    }
+}
+
+// groups [g0, g1) at kRows rows, in tiles of kTileGroups[kRows] groups (the last ones one by one)
+template <class F, int kRows>
+void fused_rows(const float* x, int64_t K, const uint8_t* packed, int64_t group_bytes, int64_t N,
+                const float* bias, float* y, int64_t y_stride, int64_t g0, int64_t g1) {
+  constexpr int kGroups = kTileGroups[kRows];
+  for (int64_t g = g0; g < g1;) {
+    const int64_t n0 = g * kGroupWidth;
+    const uint8_t* group = packed + g * group_bytes;
+    const float* tile_bias = bias ? bias + n0 : nullptr;
+    if constexpr (kRows >= kSplitRows) {
+      const int64_t width = std::min(kGroupWidth, N - n0);
+      fused_tile<F, kRows, 1, 0, 1>(x, K, group, group_bytes, y + n0, y_stride, width, tile_bias);
+      fused_tile<F, kRows, 1, 1, 2>(x, K, group, group_bytes, y + n0, y_stride, width, tile_bias);
+      g += 1;
+    } else if (g + kGroups <= g1) {
+      fused_tile<F, kRows, kGroups>(x, K, group, group_bytes, y + n0, y_stride,
+                                    std::min(kGroups * kGroupWidth, N - n0), tile_bias);
+      g += kGroups;
+    } else {
+      fused_tile<F, kRows, 1>(x, K, group, group_bytes, y + n0, y_stride,
+                              std::min(kGroupWidth, N - n0), tile_bias);
+      g += 1;
+    }
+  }
+}
+
+// the group's weights as float32 [K, 16], row order: what the bulk path and row lookups read
+template <class F>
+void dequantize_group(const uint8_t* group, int64_t K, float* out) {
+  const uint8_t* record = group;
+  int64_t k = 0;
+  for (int64_t b = 0; b < K / F::kBlock; ++b, record += record_bytes<F>()) {
+    F format;
+    for (int64_t sub = 0; sub < F::kBlock / F::kSub; ++sub) {
+      format.begin_sub(record, sub);
+      const uint8_t* q = record + F::kHeader + sub * F::kSub * F::kQuant;
+      for (int64_t i = 0; i < F::kSub; ++i, ++k, q += F::kQuant) {
+        Part w[kParts];
+        format.weights(q, w);
+        to_rows<F>(w);
+        for (int p = 0; p < kParts; ++p) store_part(out + k * kGroupWidth + p * kPartLanes, w[p]);
       }
     }
   }
 }
 
-// rows [0, kRows) of x against kGroups consecutive groups: y = x @ W^T (+ bias) for their 16 *
-// kGroups outputs, `width` of them real. Decode rows go here: few rows leave too few independent FMA
-// chains to hide the FMA's latency, so each k feeds several groups' chains.
-template <class F, int kRows, int kGroups>
-void fused_tile(const float* x, int64_t K, const uint8_t* group, int64_t group_bytes, float* y,
-                int64_t y_stride, int64_t width, const float* bias) {
-  static_assert(kRows * kGroups <= 6, "accumulators must fit the 16 AVX2 registers");
-  // named accumulators, not an array: GCC keeps an array's copy in memory and stores it every k.
-  // Pair p holds row p / kGroups against group p % kGroups.
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
-         a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-  walk_groups<F, kGroups>(group, group_bytes, K,
-                          [&](const F* format, const uint8_t* q, int64_t k)
-                              __attribute__((always_inline)) {
-    __m256 w0, w1;
-#define SPECSERVE_PAIR(p, g)                                                  \
-    if constexpr (kRows * kGroups > p && p % kGroups == g) {                  \
-      const __m256 xi = _mm256_broadcast_ss(x + (p / kGroups) * K + k);       \
-      a##p##0 = _mm256_fmadd_ps(xi, w0, a##p##0);                             \
-      a##p##1 = _mm256_fmadd_ps(xi, w1, a##p##1);                             \
-    }
-#define SPECSERVE_GROUP(g)                                                    \
-    if constexpr (kGroups > g) {                                              \
-      format[g].weights(q + g * group_bytes, w0, w1);                         \
-      SPECSERVE_PAIR(0, g) SPECSERVE_PAIR(1, g) SPECSERVE_PAIR(2, g)          \
-      SPECSERVE_PAIR(3, g) SPECSERVE_PAIR(4, g) SPECSERVE_PAIR(5, g)          \
-    }
-    SPECSERVE_GROUP(0) SPECSERVE_GROUP(1) SPECSERVE_GROUP(2) SPECSERVE_GROUP(3)
-    SPECSERVE_GROUP(4) SPECSERVE_GROUP(5)
-#undef SPECSERVE_GROUP
-#undef SPECSERVE_PAIR
-  });
-  const __m256 pairs[6][2] = {{a00, a01}, {a10, a11}, {a20, a21},
-                              {a30, a31}, {a40, a41}, {a50, a51}};
-  for (int p = 0; p < kRows * kGroups; ++p) {
-    alignas(32) float out[kGroupWidth];
-    _mm256_store_ps(out, pairs[p][0]);
-    _mm256_store_ps(out + kLanes, pairs[p][1]);
-    const int64_t row = p / kGroups, first = (p % kGroups) * kGroupWidth;
-    for (int64_t l = 0; l < kGroupWidth && first + l < width; ++l)
-      y[row * y_stride + first + l] = bias ? out[l] + bias[first + l] : out[l];
-  }
+using FusedFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, int64_t, const float*,
+                         float*, int64_t, int64_t, int64_t);
+template <class F, size_t... kRows>
+constexpr std::array<FusedFn, sizeof...(kRows) + 1> fused_table(std::index_sequence<kRows...>) {
+  return {nullptr, fused_rows<F, static_cast<int>(kRows) + 1>...};
 }
-
-// the group's weights as float32 [K, 16], what the bulk path and row lookups read
-template <class F>
-void dequantize_group(const uint8_t* group, int64_t K, float* out) {
-  walk_groups<F, 1>(group, 0, K, [&](const F* format, const uint8_t* q, int64_t k)
-                                     __attribute__((always_inline)) {
-    __m256 w0, w1;
-    format[0].weights(q, w0, w1);
-    _mm256_storeu_ps(out + k * kGroupWidth, w0);
-    _mm256_storeu_ps(out + k * kGroupWidth + kLanes, w1);
-  });
-}
-
-using TileFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int64_t,
-                        const float*);
-
-// Rows that share one pass: up to kFusedRows rows dequantize in registers, feeding this many groups;
-// more rows dequantize a group into a buffer once and run float tiles of kBulkRowTile rows over it
-constexpr int64_t kFusedRows = 3;
-constexpr int kFusedGroups[kFusedRows + 1] = {0, 4, 3, 2};
-
-template <class F>
-struct Kernels {
-  // [rows][groups]
-  static constexpr TileFn fused[kFusedRows + 1][7] = {
-      {},
-      {nullptr, fused_tile<F, 1, 1>, fused_tile<F, 1, 2>, fused_tile<F, 1, 3>, fused_tile<F, 1, 4>,
-       fused_tile<F, 1, 5>, fused_tile<F, 1, 6>},
-      {nullptr, fused_tile<F, 2, 1>, fused_tile<F, 2, 2>, fused_tile<F, 2, 3>},
-      {nullptr, fused_tile<F, 3, 1>, fused_tile<F, 3, 2>}};
-};
-constexpr TileFn kFloatTiles[kBulkRowTile + 1] = {
-    nullptr, fused_tile<Float32, 1, 1>, fused_tile<Float32, 2, 1>, fused_tile<Float32, 3, 1>,
-    fused_tile<Float32, 4, 1>, fused_tile<Float32, 5, 1>, fused_tile<Float32, 6, 1>};
 
 // groups [g0, g1) of y = x @ W^T (+ bias), serially: the one body of the op's parallel loop and
-// of the native pass's pieces of work (entry_points.h). `scratch`: K * kGroupWidth floats when
-// rows > kFusedRows (one dequantized group), unused otherwise.
+// of the native pass's pieces of work (entry_points.h). `scratch`: K * kGroupWidth floats when rows > kFusedRows (one dequantized group), unused otherwise.
 template <class F>
 void linear_range(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                   const float* bias, float* y, int64_t y_stride, int64_t g0, int64_t g1,
                   float* scratch) {
   const int64_t group_bytes = K / F::kBlock * record_bytes<F>();
   if (M <= kFusedRows) {
-    const int64_t per_task = kFusedGroups[M];
-    for (int64_t g = g0; g < g1; g += per_task) {
-      const int64_t groups = std::min(per_task, g1 - g), n0 = g * kGroupWidth;
-      Kernels<F>::fused[M][groups](x, K, packed + g * group_bytes, group_bytes, y + n0, y_stride,
-                                   std::min(groups * kGroupWidth, N - n0),
-                                   bias ? bias + n0 : nullptr);
-    }
+    static constexpr auto kFused = fused_table<F>(std::make_index_sequence<kFusedRows>());
+    kFused[M](x, K, packed, group_bytes, N, bias, y, y_stride, g0, g1);
     return;
   }
+  static constexpr auto kBulk = fused_table<Float32>(std::make_index_sequence<kBulkRowTile>());
   const uint8_t* floats = reinterpret_cast<const uint8_t*>(scratch);
   for (int64_t g = g0; g < g1; ++g) {
-    const int64_t n0 = g * kGroupWidth;
-    const int64_t width = std::min(kGroupWidth, N - n0);
     dequantize_group<F>(packed + g * group_bytes, K, scratch);
     for (int64_t m0 = 0; m0 < M; m0 += kBulkRowTile)
-      kFloatTiles[std::min(kBulkRowTile, M - m0)](x + m0 * K, K, floats, 0, y + m0 * y_stride + n0,
-                                                  y_stride, width, bias ? bias + n0 : nullptr);
+      kBulk[std::min(kBulkRowTile, M - m0)](x + m0 * K, K, floats, 0, N - g * kGroupWidth,
+                                            bias ? bias + g * kGroupWidth : nullptr,
+                                            y + m0 * y_stride + g * kGroupWidth, y_stride, 0, 1);
   }
 }
 
-inline int64_t groups_per_task(int64_t M) { return M <= kFusedRows ? kFusedGroups[M] : 1; }
+inline int64_t groups_per_task(int64_t M) { return M <= kFusedRows ? kTileGroups[M] : 1; }
 
 template <class F>
 void linear(const float* x, int64_t M, int64_t K, const uint8_t* packed, int64_t G, int64_t N,

@@ -105,6 +105,20 @@ def test_a_baseline_is_keyed_without_the_cpu_flags_and_native_with_them(monkeypa
     assert baseline != native
 
 
+def test_a_shared_header_keys_every_library(monkeypatch, tmp_path):
+    """entry_points.h and decoder_math.h are compiled into several libraries: editing one must
+    rebuild them all, not load a library built from the old header."""
+    for source in cpu_extension.SOURCE_DIR.iterdir():
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(cpu_extension, "SOURCE_DIR", tmp_path)
+    before = {name: cpu_extension.build_folder_name(name, BASELINE)
+              for name in ("decoder_ops", "native_decoder")}
+    header = tmp_path / "decoder_math.h"
+    header.write_text(header.read_text() + "\n// edited\n")
+    assert all(cpu_extension.build_folder_name(name, BASELINE) != key
+               for name, key in before.items())
+
+
 def test_a_cpu_without_the_baselines_features_builds_for_itself(monkeypatch):
     monkeypatch.setenv(cpu_extension.CPU_ARCH_ENV, BASELINE)
     monkeypatch.setattr(cpu_extension, "_cpu_features", lambda: ZEN3_FLAGS)

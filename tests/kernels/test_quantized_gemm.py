@@ -3,7 +3,8 @@
 Blocks are random bytes (every bit pattern is a valid quant) with finite float16 scales, so every
 nibble, high bit, 6-bit scale and sign the formats can hold is exercised, not only what a quantizer
 happens to emit. Shapes: row counts that leave a partial group of 16, every row-count regime of the
-kernel (1-3 rows fused over several groups, more rows through a dequantized buffer), and biases.
+kernel (1-12 rows dequantized in registers, over 1, 2 or 4 groups at a time, more rows through a
+dequantized buffer), and biases.
 """
 
 from __future__ import annotations
@@ -68,6 +69,37 @@ def test_linear_bit_identical_to_float_kernel(fmt, num_rows):
     x = torch.randn(num_rows, 512, generator=torch.Generator().manual_seed(1))
     got = quantized_linear(x, pack_for_kernel(weight), None)
     assert torch.equal(got, float_kernel(x, weight.dequantize(), None))
+
+
+@pytest.mark.parametrize("fmt", PACKED_FORMATS)
+def test_every_verification_row_count_is_each_row_alone(fmt):
+    """1 to 13 rows (each register tiling of the kernel, and the first beyond them), with a bias:
+    every row is the float kernel's, and its 1-row result."""
+    out_features = 16 * 9 + 5  # 10 groups: tiles of 4 and 2 groups leave some, a partial last one
+    weight = random_packed(fmt, out_features, 512, seed=11)
+    packed, dequantized = pack_for_kernel(weight), weight.dequantize()
+    bias = torch.randn(out_features, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(13, 512, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([quantized_linear(x[i:i + 1], packed, bias) for i in range(13)])
+    for num_rows in range(1, 14):
+        got = quantized_linear(x[:num_rows], packed, bias)
+        assert torch.equal(got, alone[:num_rows]), num_rows
+        assert torch.equal(got, float_kernel(x[:num_rows], dequantized, bias)), num_rows
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 4, 6, 7, 12])
+def test_thread_split_does_not_change_bits_at_any_tiling(num_rows):
+    weight = pack_for_kernel(random_packed("Q4_1", 16 * 11 + 3, 256))
+    x = torch.randn(num_rows, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quantized_linear(x, weight, None)
+        torch.set_num_threads(2)
+        two = quantized_linear(x, weight, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q6_K", "BF16"])
