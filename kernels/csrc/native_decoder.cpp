@@ -87,6 +87,22 @@ struct StageSync {
   alignas(64) std::atomic<int64_t> done{0};
 };
 
+// How many output groups one piece of a matmul takes: a whole number of the kernel's tiles, and
+// about 1/kPiecesPerThread of a thread's share. Contiguous runs of groups keep each thread's reads
+// one sequential stream (a piece of one group each interleaved the threads' streams: 5-row matmuls
+// took 15% longer than the op's static halves), while a few pieces a thread still let the others
+// take over the share of a thread the OS deschedules.
+constexpr int64_t kPiecesPerThread = 4;
+
+struct PieceSize {
+  int64_t per_task;  // the kernel's groups per tile at this row count
+  int threads;
+  int64_t groups(int64_t num_groups) const {
+    const int64_t share = std::max<int64_t>(1, num_groups / (kPiecesPerThread * threads));
+    return (share + per_task - 1) / per_task * per_task;
+  }
+};
+
 // ~10-50 us of pause before a waiting thread starts yielding its core
 constexpr int kSpinsBeforeYield = 1024;
 
@@ -297,7 +313,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     const float* cos_ptr = cos.const_data_ptr<float>();
     const float* sin_ptr = sin.const_data_ptr<float>();
     const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
-    const int64_t per_task = gemm_->groups_per_task(T);
+    const PieceSize piece_size{gemm_->groups_per_task(T), num_threads};
     const int64_t scratch_floats =
         std::max({gemm_->scratch_floats(T, hidden_), gemm_->scratch_floats(T, q_size),
                   gemm_->scratch_floats(T, intermediate_)});
@@ -325,10 +341,10 @@ class NativeDecoder : public torch::CustomClassHolder {
         mark(kNorms);
         // q|k|v; the residual rows EAGLE-3 reads are copied out by pieces of this stage, so
         // before the o-projection changes them
-        const int64_t qkv_pieces = linear_pieces(layer.qkv, per_task);
+        const int64_t qkv_pieces = linear_pieces(layer.qkv, piece_size);
         run_stage(stage[0], qkv_pieces + (aux_slot[li] >= 0 ? T : 0), [&](int64_t piece) {
           if (piece < qkv_pieces) {
-            run_piece(layer.qkv, piece, per_task, normed.get(), T, act.qkv, qkv_width,
+            run_piece(layer.qkv, piece, piece_size, normed.get(), T, act.qkv, qkv_width,
                       scratch.get());
             return;
           }
@@ -362,8 +378,8 @@ class NativeDecoder : public torch::CustomClassHolder {
         });
         mark(kAttention);
         // o-projection, into the residual
-        run_stage(stage[3], linear_pieces(layer.o, per_task), [&](int64_t piece) {
-          const auto [n0, n1] = run_piece(layer.o, piece, per_task, act.attended, T,
+        run_stage(stage[3], linear_pieces(layer.o, piece_size), [&](int64_t piece) {
+          const auto [n0, n1] = run_piece(layer.o, piece, piece_size, act.attended, T,
                                           act.projected, hidden_, scratch.get());
           add_columns(act.projected, x_rows, T, n0, n1);
         });
@@ -373,9 +389,11 @@ class NativeDecoder : public torch::CustomClassHolder {
         // gate and up of the same features, then SiLU(gate) * up
         const std::pair<GroupSpan, GroupSpan> spans = gate_and_up(layer.gate_up);
         const GroupSpan &gate = spans.first, &up = spans.second;
-        const int64_t gate_pieces = (gate.num_groups + per_task - 1) / per_task;
+        const int64_t gate_groups = piece_size.groups(gate.num_groups);
+        const int64_t gate_pieces = (gate.num_groups + gate_groups - 1) / gate_groups;
         run_stage(stage[4], gate_pieces, [&](int64_t piece) {
-          const int64_t g0 = piece * per_task, g1 = std::min(g0 + per_task, gate.num_groups);
+          const int64_t g0 = piece * gate_groups;
+          const int64_t g1 = std::min(g0 + gate_groups, gate.num_groups);
           run_span(gate, g0, g1, normed.get(), T, act.gate_up, 2 * intermediate_, scratch.get());
           run_span(up, g0, g1, normed.get(), T, act.gate_up + intermediate_, 2 * intermediate_,
                    scratch.get());
@@ -389,8 +407,8 @@ class NativeDecoder : public torch::CustomClassHolder {
         });
         mark(kGateUp);
         // down-projection, into the residual
-        run_stage(stage[5], linear_pieces(layer.down, per_task), [&](int64_t piece) {
-          const auto [n0, n1] = run_piece(layer.down, piece, per_task, act.silu, T,
+        run_stage(stage[5], linear_pieces(layer.down, piece_size), [&](int64_t piece) {
+          const auto [n0, n1] = run_piece(layer.down, piece, piece_size, act.silu, T,
                                           act.projected, hidden_, scratch.get());
           add_columns(act.projected, x_rows, T, n0, n1);
         });
@@ -450,9 +468,12 @@ class NativeDecoder : public torch::CustomClassHolder {
     return {};
   }
 
-  static int64_t linear_pieces(const Linear& linear, int64_t per_task) {
+  static int64_t linear_pieces(const Linear& linear, const PieceSize& size) {
     int64_t pieces = 0;
-    for (const LinearPart& part : linear.parts) pieces += (part.num_groups + per_task - 1) / per_task;
+    for (const LinearPart& part : linear.parts) {
+      const int64_t groups = size.groups(part.num_groups);
+      pieces += (part.num_groups + groups - 1) / groups;
+    }
     return pieces;
   }
 
@@ -470,16 +491,17 @@ class NativeDecoder : public torch::CustomClassHolder {
   }
 
   // piece `piece` of a linear at T rows: its features [n0, n1) of the linear's output
-  std::pair<int64_t, int64_t> run_piece(const Linear& linear, int64_t piece, int64_t per_task,
+  std::pair<int64_t, int64_t> run_piece(const Linear& linear, int64_t piece, const PieceSize& size,
                                         const float* x, int64_t T, float* y, int64_t y_stride,
                                         float* scratch) const {
     for (const LinearPart& part : linear.parts) {
-      const int64_t pieces = (part.num_groups + per_task - 1) / per_task;
+      const int64_t groups = size.groups(part.num_groups);
+      const int64_t pieces = (part.num_groups + groups - 1) / groups;
       if (piece >= pieces) {
         piece -= pieces;
         continue;
       }
-      const int64_t g0 = piece * per_task, g1 = std::min(g0 + per_task, part.num_groups);
+      const int64_t g0 = piece * groups, g1 = std::min(g0 + groups, part.num_groups);
       gemm_->linear_groups(part.format, x, T, linear.in_features,
                            part.groups.const_data_ptr<uint8_t>(), part.out_features,
                            data_or_null(part.bias), y + part.first_feature, y_stride, g0, g1,
