@@ -69,7 +69,8 @@ def software_fields() -> dict[str, Any]:
         sources.update(source.name.encode() + b"\0" + source.read_bytes())
     return {"torch": torch.__version__, "specserve": specserve_version,
             "kernel_sources": sources.hexdigest()[:16],
-            "cpu_kernels": os.environ.get("SPECSERVE_CPU_KERNELS", "1")}
+            "cpu_kernels": os.environ.get("SPECSERVE_CPU_KERNELS", "1"),
+            "native_pass": os.environ.get("SPECSERVE_NATIVE_PASS", "1")}
 
 
 def model_file_fields(path: str) -> dict[str, Any]:
