@@ -83,7 +83,7 @@ def source_names() -> list[str]:
 # compile seconds measured alone on a 2-vCPU Xeon (docs/perf.md): a build starts the longest first,
 # so the last one to start is short and both cores stay busy to the end (57 s -> ~51 s for four)
 COMPILE_SECONDS = {"quantized_gemm": 35.0, "paged_attention": 27.8, "decoder_ops": 22.4,
-                   "native_decoder": 22.0, "skinny_gemm": 15.8}
+                   "native_decoder": 12.5, "skinny_gemm": 15.8}
 # what the CPU default (a GGUF kept packed) runs on; skinny_gemm only serves float32 linears and is
 # built when first asked for (kernels/skinny_gemm.py)
 PACKED_MODEL_KERNELS = ("quantized_gemm", "paged_attention", "decoder_ops", "native_decoder")
