@@ -334,6 +334,14 @@ class NativeDecoder : public torch::CustomClassHolder {
         stage_seconds_[stage] += now - last;
         last = now;
       };
+      // a projection whose pieces each add their output features into the residual rows
+      auto project_into_residual = [&](StageSync& sync, const Linear& linear, const float* in) {
+        run_stage(sync, linear_pieces(linear, piece_size), [&](int64_t piece) {
+          const auto [n0, n1] = run_piece(linear, piece, piece_size, in, T, act.projected,
+                                          hidden_, scratch.get());
+          add_columns(act.projected, x_rows, T, n0, n1);
+        });
+      };
       for (int64_t li = 0; li < num_layers; ++li) {
         const Layer& layer = layers_[li];
         StageSync* stage = &stages[li * kStagesPerLayer];
@@ -378,11 +386,7 @@ class NativeDecoder : public torch::CustomClassHolder {
         });
         mark(kAttention);
         // o-projection, into the residual
-        run_stage(stage[3], linear_pieces(layer.o, piece_size), [&](int64_t piece) {
-          const auto [n0, n1] = run_piece(layer.o, piece, piece_size, act.attended, T,
-                                          act.projected, hidden_, scratch.get());
-          add_columns(act.projected, x_rows, T, n0, n1);
-        });
+        project_into_residual(stage[3], layer.o, act.attended);
         mark(kOutProjection);
         normalize_rows(x_rows, layer.post_norm.const_data_ptr<float>(), T, normed.get());
         mark(kNorms);
@@ -407,11 +411,7 @@ class NativeDecoder : public torch::CustomClassHolder {
         });
         mark(kGateUp);
         // down-projection, into the residual
-        run_stage(stage[5], linear_pieces(layer.down, piece_size), [&](int64_t piece) {
-          const auto [n0, n1] = run_piece(layer.down, piece, piece_size, act.silu, T,
-                                          act.projected, hidden_, scratch.get());
-          add_columns(act.projected, x_rows, T, n0, n1);
-        });
+        project_into_residual(stage[5], layer.down, act.silu);
         mark(kDown);
       }
       run_stage(stages[num_layers * kStagesPerLayer], T, [&](int64_t r) {

@@ -90,15 +90,7 @@ def test_every_verification_row_count_is_each_row_alone(fmt):
 @pytest.mark.parametrize("num_rows", [1, 2, 4, 6, 7, 12])
 def test_thread_split_does_not_change_bits_at_any_tiling(num_rows):
     weight = pack_for_kernel(random_packed("Q4_1", 16 * 11 + 3, 256))
-    x = torch.randn(num_rows, 256)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = quantized_linear(x, weight, None)
-        torch.set_num_threads(2)
-        two = quantized_linear(x, weight, None)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(torch.randn(num_rows, 256), weight)
     assert torch.equal(one, two)
 
 
@@ -122,7 +114,11 @@ def test_a_row_is_the_same_alone_and_in_any_batch():
 
 def test_threads_do_not_change_bits():
     weight = pack_for_kernel(random_packed("Q5_K", 200, 512))
-    x = torch.randn(5, 512)
+    one, two = on_one_and_two_threads(torch.randn(5, 512), weight)
+    assert torch.equal(one, two)
+
+
+def on_one_and_two_threads(x: torch.Tensor, weight) -> tuple[torch.Tensor, torch.Tensor]:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -131,7 +127,7 @@ def test_threads_do_not_change_bits():
         two = quantized_linear(x, weight, None)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    return one, two
 
 
 def test_real_quantizer_output():
