@@ -20,7 +20,8 @@ from kernels.cpu_extension import load_cpu_library
 
 GROUP_WIDTH = 16  # rows per group: 2 AVX2 registers of outputs
 # the kernel's format ids (quantized_gemm.cpp's enum Format)
-FORMAT_IDS = {"Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "F16": 7, "BF16": 8}
+FORMAT_IDS = {"F32": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "F16": 7,
+              "BF16": 8}
 
 
 def quantized_gemm_available() -> bool:
@@ -57,6 +58,18 @@ def quantized_rows(weight: KernelWeight, ids: torch.Tensor) -> torch.Tensor:
     out = torch.ops.specserve.quantized_rows(weight.groups, weight.format_id, ids.long(),
                                              *weight.shape)
     return out.view(*ids.shape, weight.shape[1])
+
+
+def pack_float32_for_kernel(weight: torch.Tensor) -> KernelWeight:
+    """A float32 [out, in] weight in the kernel's group layout (per k, 16 rows' floats side by side):
+    what lets a float32 layer run in the native decoder pass. Its outputs are bit for bit
+    `packed_linear`'s (kernels/skinny_gemm.py), at about the same speed (docs/perf.md)."""
+    rows, cols = weight.shape
+    groups = -(-rows // GROUP_WIDTH)
+    padded = torch.zeros(groups * GROUP_WIDTH, cols, dtype=torch.float32)
+    padded[:rows] = weight.detach().float()
+    packed = padded.view(groups, GROUP_WIDTH, cols).transpose(1, 2).contiguous()  # [G, K, 16]
+    return KernelWeight("F32", packed.view(torch.uint8).view(groups, -1), (rows, cols))
 
 
 def pack_for_kernel(weight: PackedWeight) -> KernelWeight:

@@ -10,7 +10,7 @@ from engine.models.arch import LlamaArch
 from engine.models.cpu_linear import optimize_linears_for_cpu, packed_weights_available
 from engine.models.llama import LlamaForCausalLM, use_fused_ops
 from engine.models.loader import Checkpoint
-from engine.models.native_pass import NativePass
+from engine.models.native_pass import NativePass, adopt_float32_layers
 from engine.models.packed_model import (
     expand_packed_weights,
     has_packed_weights,
@@ -58,6 +58,8 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
             return model.eval(), "batch-invariant triton matmuls, attention and fused ops"
         backend = optimize_for_cpu(model, dtype, device, fused_ops=False)
         return model.eval(), backend + " + triton attention and fused ops"
+    if device.type == "cpu" and dtype == torch.float32 and not packed:
+        adopt_float32_layers(model)
     backend = optimize_for_cpu(model, dtype, device)
     if device.type == "cpu":
         model.native_pass = NativePass.build(model)

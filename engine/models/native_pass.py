@@ -3,8 +3,10 @@
 A float32 Llama on the CPU with packed linears and specserve's fused ops runs ~400 torch ops a
 step, each a dispatch and most an OpenMP fork and join; `kernels/csrc/native_decoder.cpp` runs the
 same kernels, bit for bit, in one parallel region. The torch path stays the reference and serves
-everything the pass does not take: CUDA, tensor parallelism, float32 or partly float layers, the
-Triton attention backend. SPECSERVE_NATIVE_PASS=0 turns the pass off (to compare the two).
+everything the pass does not take: CUDA, tensor parallelism, layers partly in another dtype, the
+Triton attention backend. A float32 model's decoder linears take the kernel's float32 group layout
+(`adopt_float32_layers`) so the pass runs it too. SPECSERVE_NATIVE_PASS=0 turns the pass off (to
+compare the two).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import logging
 import os
 
 import torch
+from torch import nn
 
 from engine.models.cpu_linear import QuantizedLinear
 from engine.runner.attention import AttentionMetadata
 from kernels import decoder_ops
 from kernels.native_decoder import native_decoder_available, new_native_decoder
+from kernels.quantized_gemm import pack_float32_for_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,28 @@ class NativePass:
         return self._decoder.forward(x, cos, sin, meta.slot_mapping, kernel.block_tables,
                                      kernel.seq_lens, kernel.cu_num_query_tokens, meta.tree_mask,
                                      kernel.sliding_window or 0, list(aux_layers))
+
+
+def adopt_float32_layers(model: torch.nn.Module) -> bool:
+    """Give a float32 CPU model's decoder linears the kernel's float32 group layout, so the native
+    pass can run them (before `optimize_for_cpu`, which would give them another layout). The
+    outputs stay bit for bit the float32 kernel's. False (nothing changed) where the pass could
+    not run anyway; the LM head and any other linear are left alone."""
+    if not native_pass_enabled() or not native_decoder_available():
+        return False
+    linears = [(layer, path) for layer in model.layers for path, _ in _LINEARS]
+    if not all(type(layer.get_submodule(path)) is nn.Linear
+               and layer.get_submodule(path).weight.dtype == torch.float32
+               and layer.get_submodule(path).weight.device.type == "cpu"
+               for layer, path in linears):
+        return False
+    for layer, path in linears:
+        linear = layer.get_submodule(path)
+        parent, _, child = path.rpartition(".")
+        bias = None if linear.bias is None else linear.bias.detach()
+        setattr(layer.get_submodule(parent), child,
+                QuantizedLinear([pack_float32_for_kernel(linear.weight)], bias))
+    return True
 
 
 def _unsupported(model: torch.nn.Module) -> str | None:

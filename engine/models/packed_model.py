@@ -77,8 +77,10 @@ def packed_bytes(model: torch.nn.Module) -> tuple[int, int]:
         elif isinstance(module, QuantizedEmbedding):
             tables[id(module.table)] = module.table
     dense = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return (sum(table.nbytes for table in tables.values()),
-            sum(t.numel() * t.element_size() for t in dense.values()))
+    # NOTE: float32 in the kernel's layout (a float32 layer run by the native pass) is not packed
+    float32 = sum(t.nbytes for t in tables.values() if t.format == "F32")
+    return (sum(table.nbytes for table in tables.values()) - float32,
+            sum(t.numel() * t.element_size() for t in dense.values()) + float32)
 
 
 def packed_formats(model: torch.nn.Module) -> list[str]:
@@ -89,4 +91,4 @@ def packed_formats(model: torch.nn.Module) -> list[str]:
             formats.update(part.format for part in module.parts)
         elif isinstance(module, QuantizedEmbedding):
             formats.add(module.table.format)
-    return sorted(formats)
+    return sorted(formats - {"F32"})

@@ -121,6 +121,29 @@ def test_a_long_run_with_more_threads_than_cores_keeps_every_bit(model):
         torch.set_num_threads(saved_threads)
 
 
+def test_a_float32_model_runs_the_pass_with_the_float32_kernels_bits(tmp_path, monkeypatch):
+    """A float32 model's layers take the kernel's float32 layout for the pass; its hidden states
+    equal the same model's on the float32 matmul kernel and torch's ops, step by step."""
+    path = tmp_path / "f32.gguf"
+    write_tiny_gguf(path, "qwen2", ALL_PACKED)
+    checkpoint = load_checkpoint(str(path), torch.float32)  # expanded to float32 tensors
+    native, backend = build_model(checkpoint, torch.float32, CPU)
+    assert native.native_pass is not None and "native pass" in backend
+    assert native.layers[0].mlp.down_proj.parts[0].format == "F32"
+    monkeypatch.setenv("SPECSERVE_NATIVE_PASS", "0")
+    reference, _ = build_model(checkpoint, torch.float32, CPU)
+    assert reference.native_pass is None
+    assert not isinstance(reference.layers[0].mlp.down_proj, type(native.layers[0].mlp.down_proj))
+    runs = [(runner(native, None), native), (runner(reference, None), reference)]
+    for sequences in steps(random.Random(3)):
+        hidden = []
+        for run, module in runs:
+            for rows in sequences:
+                assert run.reserve(rows.seq_id, rows.start + len(rows.token_ids))
+            hidden.append(run.run(run.prepare(sequences)))
+        assert torch.equal(*hidden)
+
+
 def test_the_pass_is_left_out_where_it_cannot_run(tmp_path, monkeypatch):
     path = tmp_path / "mixed.gguf"
     write_tiny_gguf(path)  # layer 0's down projection is Q5_0, which is expanded to float32
