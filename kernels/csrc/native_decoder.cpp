@@ -194,6 +194,8 @@ class NativeDecoder : public torch::CustomClassHolder {
                       c.is_contiguous() && c.device().is_cpu(),
                   "NativeDecoder: layer " + text(static_cast<int64_t>(i)) +
                       "'s cache is not a contiguous float32 [2, kv heads, blocks, block, head_dim]");
+      TORCH_CHECK(c.sizes() == caches[0].sizes(),
+                  "NativeDecoder: every layer's cache must have the same shape");
       layers_[i].kv_cache = c;
     }
   }
@@ -222,7 +224,7 @@ class NativeDecoder : public torch::CustomClassHolder {
   // block_tables [num_seqs, max_blocks], seq_lens [num_seqs], cu_num_query_tokens [num_seqs + 1]:
   // int32; tree_mask: [T] int64 or none (engine/runner/attention.py). Returns the final-norm
   // hidden states [T, hidden] and the residual stream entering each of `aux_layers`, side by side
-  // ([T, len(aux_layers) * hidden]).
+  // in layer order ([T, distinct aux layers * hidden]), as the torch path leaves them.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
                                              at::Tensor slot_mapping, at::Tensor block_tables,
                                              at::Tensor seq_lens, at::Tensor cu_num_query_tokens,
@@ -260,6 +262,9 @@ class NativeDecoder : public torch::CustomClassHolder {
       tree = tree_mask->const_data_ptr<int64_t>();
     }
     const int64_t num_layers = static_cast<int64_t>(layers_.size());
+    // the torch path's order: one column block per distinct layer, by layer index
+    std::sort(aux_layers.begin(), aux_layers.end());
+    aux_layers.erase(std::unique(aux_layers.begin(), aux_layers.end()), aux_layers.end());
     std::vector<int64_t> aux_slot(num_layers, -1);
     for (size_t j = 0; j < aux_layers.size(); ++j) {
       TORCH_CHECK(aux_layers[j] >= 0 && aux_layers[j] < num_layers,

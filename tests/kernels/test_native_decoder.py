@@ -74,7 +74,7 @@ def steps(rng: random.Random) -> list[list[SequenceRows]]:
 def test_native_pass_equals_the_torch_path_bit_for_bit(model, threads, sliding_window):
     native_pass = model.native_pass
     native, reference = runner(model, sliding_window), runner(model, sliding_window)
-    model.aux_hidden_layers = (0, 1)
+    model.aux_hidden_layers = (1, 0)  # NOTE: out of order: both paths give them in layer order
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
