@@ -1,4 +1,4 @@
-"""A packed model's forward on the CPU as one native call, when its shapes allow it.
+"""A packed or float32 model's forward on the CPU as one native call, when its shapes allow it.
 
 A float32 Llama on the CPU with packed linears and specserve's fused ops runs ~400 torch ops a
 step, each a dispatch and most an OpenMP fork and join; `kernels/csrc/native_decoder.cpp` runs the

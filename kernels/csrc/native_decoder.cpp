@@ -148,6 +148,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     layer.input_norm = std::move(input_norm);
     layer.post_norm = std::move(post_norm);
     layers_.push_back(std::move(layer));
+    ready_.reset();
   }
 
   // one part of a layer's linear ("qkv", "o", "gate_up", "down"), parts in output order
@@ -182,6 +183,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     linear.parts.push_back(std::move(part));
     linear.in_features = in_features;
     linear.out_features += out_features;
+    ready_.reset();
   }
 
   // per layer [2, num_kv_heads, num_blocks, block_size, head_dim] float32, as the runner holds them
@@ -200,8 +202,15 @@ class NativeDecoder : public torch::CustomClassHolder {
     }
   }
 
-  // Checks every shape once the model is in: false (and why) if the pass cannot run this model.
+  // Checks every shape once the model is in: "" if the pass can run this model, else why not.
+  // Cached until a layer or a part is added: forward asks it every step.
   std::string check_ready() const {
+    if (!ready_.has_value()) ready_ = find_shape_problem();
+    return *ready_;
+  }
+
+ private:
+  std::string find_shape_problem() const {
     if (layers_.empty()) return "no layers";
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -220,6 +229,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     return "";
   }
 
+ public:
   // x: [T, hidden] embedded inputs; cos, sin: [T, head_dim / 2]; slot_mapping: [T] int64;
   // block_tables [num_seqs, max_blocks], seq_lens [num_seqs], cu_num_query_tokens [num_seqs + 1]:
   // int32; tree_mask: [T] int64 or none (engine/runner/attention.py). Returns the final-norm
@@ -566,6 +576,7 @@ class NativeDecoder : public torch::CustomClassHolder {
   float eps_, scale_;
   at::Tensor final_norm_;
   std::vector<Layer> layers_;
+  mutable std::optional<std::string> ready_;  // check_ready's answer, once asked
   bool profiling_ = false;
   std::vector<double> stage_seconds_ = std::vector<double>(kNumStages, 0.0);
 };
