@@ -12,7 +12,8 @@ context (the embedded model, packed, after a held-out prompt's prefill):
                  ops, each op's thread-team fork and join, residual adds
 
 On the native pass (engine/models/native_pass.py) the parts come from its own stage clock (thread 0,
-each stage's barrier wait included): the matmul stages, rotary + KV write + attention, the norms;
+each stage's barrier wait included): the matmul stages, rotary + KV write + attention, the norms,
+the LM head (in the pass where the model's head is packed);
 "the rest" is then the embedding, the rotary tables and the call itself. Both paths are measured pass
 by pass alternately. The wrappers cost ~1 us a call (measured and reported; ~0.4 ms over a pass's ~400 calls), which
 lands in the parts, not in "the rest". The engine's step is split as benchmarks/bench_host_work does
@@ -103,6 +104,7 @@ def forward_parts(llm: LLM, seq_id: str, context: int, rows: int, passes: int
     native_pass = model.native_pass
     assert runner.reserve(seq_id, context + rows)
     inputs = runner.prepare([SequenceRows(seq_id, context, [42] * rows)])
+    every_row = torch.arange(rows)  # a verification samples at every row
     paths = ("torch", "native") if native_pass is not None else ("torch",)
     samples = {path: defaultdict(list) for path in paths}
     try:
@@ -114,7 +116,7 @@ def forward_parts(llm: LLM, seq_id: str, context: int, rows: int, passes: int
                         native_pass.set_profiling(True)
                     with Wrapped(model) as wrapped:
                         start = time.perf_counter()
-                        model.compute_logits(runner.run(inputs))
+                        runner.run_with_logits(inputs, every_row)
                         total = time.perf_counter() - start
                     if i < 5:  # warm-up passes are not counted
                         continue
@@ -136,10 +138,13 @@ def forward_parts(llm: LLM, seq_id: str, context: int, rows: int, passes: int
 
 def native_parts(stages: dict[str, float]) -> dict[str, float]:
     """The native pass's stage clock (thread 0, barrier waits included) in the table's parts."""
-    return {"matmuls": sum(stages[s] for s in ("q|k|v", "o-projection", "gate|up + SiLU",
-                                               "down-projection")),
-            "attention": stages["rotary + KV write"] + stages["attention"],
-            "other ops": stages["norms"]}
+    parts = {"matmuls": sum(stages[s] for s in ("q|k|v", "o-projection", "gate|up + SiLU",
+                                                "down-projection")),
+             "attention": stages["rotary + KV write"] + stages["attention"],
+             "other ops": stages["norms"]}
+    if stages["LM head"]:  # else a separate op, timed by its wrapper
+        parts["LM head"] = stages["LM head"]
+    return parts
 
 
 def wrapper_cost_us() -> float:
@@ -162,14 +167,13 @@ def engine_step(llm: LLM, prompt: list[int], steps: int) -> dict[str, float]:
     samples: dict[str, list[float]] = defaultdict(list)
     for _ in range(steps):
         totals: dict[str, float] = defaultdict(float)
-        forward, logits = model.forward, model.compute_logits
-        model.forward = wrap(totals, "forward", forward)
-        model.compute_logits = wrap(totals, "forward", logits)
+        forward = model.forward_with_logits  # the step's pass and its logits (worker.execute)
+        model.forward_with_logits = wrap(totals, "forward", forward)
         start = time.perf_counter()
         core.step()
         samples["step"].append(time.perf_counter() - start)
         samples["forward"].append(totals["forward"])
-        model.forward, model.compute_logits = forward, logits
+        model.forward_with_logits = forward
     core.abort(["step"])
     return {name: statistics.median(values) * 1e3 for name, values in samples.items()}
 

@@ -22,9 +22,10 @@ def native_decoder_available() -> bool:
 
 def new_native_decoder(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                        intermediate_size: int, rms_norm_eps: float, attention_scale: float,
-                       final_norm: torch.Tensor):
-    """An empty pass (torch.classes.specserve.NativeDecoder) for a model of these shapes: add its
-    layers, their linears' parts and the KV caches, then call `forward`."""
+                       final_norm: torch.Tensor | None):
+    """An empty pass (torch.classes.specserve.NativeDecoder) for a model of these shapes (no
+    final norm: it returns the residual stream): add its layers, their linears' parts and the KV
+    caches, then call `forward`."""
     ops = torch.ops.specserve
     return torch.classes.specserve.NativeDecoder(
         ops.quantized_gemm_entry_points(), ops.paged_attention_entry_points(), hidden_size,

@@ -59,7 +59,7 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
         backend = optimize_for_cpu(model, dtype, device, fused_ops=False)
         return model.eval(), backend + " + triton attention and fused ops"
     if device.type == "cpu" and dtype == torch.float32 and not packed:
-        adopt_float32_layers(model)
+        adopt_float32_layers(list(model.layers))
     backend = optimize_for_cpu(model, dtype, device)
     if device.type == "cpu":
         model.native_pass = NativePass.build(model)

@@ -166,14 +166,32 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; returns final-norm hidden states [num_tokens, hidden]."""
+        return self._decode(input_ids, positions, meta, kv_caches, None)[0]
+
+    def forward_with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                            meta: AttentionMetadata, kv_caches: list[torch.Tensor],
+                            logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward's hidden states and compute_logits at `logits_rows` ([R] int64): one native
+        call where the pass holds the LM head, the same bits either way."""
+        hidden, logits = self._decode(input_ids, positions, meta, kv_caches, logits_rows)
+        if logits is None:
+            logits = self.compute_logits(hidden[logits_rows])
+        return hidden, logits
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor], logits_rows: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final-norm hidden states, and the logits at `logits_rows` where the native pass
+        computed them (else None)."""
         x = self.embed(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
         if self.native_pass is not None and self.native_pass.runs(meta):
-            hidden, aux = self.native_pass(x, cos[:, 0], sin[:, 0], meta, kv_caches,
-                                           self.aux_hidden_layers)
+            head_rows = logits_rows if self.native_pass.has_head else None
+            hidden, aux, logits = self.native_pass(x, cos[:, 0], sin[:, 0], meta, kv_caches,
+                                                   self.aux_hidden_layers, head_rows)
             if self.aux_hidden_layers:
                 self.aux_hidden_states = aux
-            return hidden
+            return hidden, logits
         aux = []
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             if index in self.aux_hidden_layers:
@@ -181,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, meta, kv_cache)
         if self.aux_hidden_layers:
             self.aux_hidden_states = torch.cat(aux, dim=-1)
-        return self.norm(x)
+        return self.norm(x), None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[num_tokens] -> [num_tokens, hidden]; under tensor parallelism each rank looks up the

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 NATIVE_PASS_ENV = "SPECSERVE_NATIVE_PASS"
 # what the pass's profile splits its time into (native_decoder.cpp's enum Stage, in order)
 NATIVE_STAGES = ("norms", "q|k|v", "rotary + KV write", "attention", "o-projection",
-                 "gate|up + SiLU", "down-projection")
+                 "gate|up + SiLU", "down-projection", "LM head")
 # the decoder's linears, as (module path within a layer, the pass's name for it)
 _LINEARS = (("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "o"),
             ("mlp.gate_up_proj", "gate_up"), ("mlp.down_proj", "down"))
@@ -41,22 +41,46 @@ def native_pass_enabled() -> bool:
 class NativePass:
     """Calls the pass with a step's inputs; built by `build` for a model it can run."""
 
-    def __init__(self, decoder: torch.ScriptObject) -> None:
+    def __init__(self, decoder: torch.ScriptObject, has_head: bool) -> None:
         self._decoder = decoder
         self._kv_caches: list[torch.Tensor] | None = None
+        # whether the LM head is in the pass (a packed head without bias): then a step's logits
+        # come from the same call
+        self.has_head = has_head
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> NativePass | None:
         """The pass for `model` (engine/models/llama.py's LlamaForCausalLM, built), or None with
         the reason logged at debug level when it cannot take the model."""
-        reason = _unsupported(model)
+        if getattr(model, "tp_group", None) is not None:
+            logger.debug("native CPU pass not used: tensor parallelism")
+            return None
+        return cls.for_layers(list(model.layers), model.norm, model.lm_head)
+
+    @classmethod
+    def for_layers(cls, layers: list[nn.Module], final_norm: nn.Module | None = None,
+                   lm_head: nn.Module | None = None, feature_norm: nn.Module | None = None,
+                   norm_before_residual: bool = False) -> NativePass | None:
+        """The pass for decoder layers (each with input_layernorm, an nn.Identity where it has
+        none, self_attn, post_attention_layernorm and mlp), the final norm (None: the pass returns
+        the residual stream) and an LM head it may take; an EAGLE-3 layer reads [embedding,
+        feature] under its input norm and `feature_norm` (NativeDecoder.set_feature_input).
+        None, with the reason logged at debug level, where the pass cannot run them."""
+        reason = _unsupported(layers, final_norm)
         if reason is None:
-            decoder = _new_decoder(model)
+            decoder = _new_decoder(layers, final_norm)
+            if feature_norm is not None:
+                decoder.set_feature_input(feature_norm.weight.detach(), norm_before_residual)
             reason = decoder.check_ready() or None
         if reason is not None:
             logger.debug("native CPU pass not used: %s", reason)
             return None
-        return cls(decoder)
+        has_head = isinstance(lm_head, QuantizedLinear) and all(
+            bias is None for bias in lm_head.bias_parts)
+        if has_head:
+            for part in lm_head.parts:
+                decoder.add_head_part(part.format_id, part.groups, part.shape[0], part.shape[1])
+        return cls(decoder, has_head)
 
     @staticmethod
     def runs(meta: AttentionMetadata) -> bool:
@@ -72,26 +96,31 @@ class NativePass:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata, kv_caches: list[torch.Tensor],
-                 aux_layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                 aux_layers: tuple[int, ...], logits_rows: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x: [T, hidden] embedded; cos, sin: [T, head_dim / 2]. Returns the final-norm hidden
-        states and the residual stream entering each of `aux_layers`, side by side."""
+        states, the residual stream entering each of `aux_layers`, side by side, and the LM
+        head's logits at `logits_rows` ([R] int64; needs `has_head`), else None."""
         if kv_caches is not self._kv_caches:  # NOTE: a runner keeps one list for its lifetime
             self._decoder.set_kv_caches(list(kv_caches))
             self._kv_caches = kv_caches
         kernel = meta.kernel
-        return self._decoder.forward(x, cos, sin, meta.slot_mapping, kernel.block_tables,
-                                     kernel.seq_lens, kernel.cu_num_query_tokens, meta.tree_mask,
-                                     kernel.sliding_window or 0, list(aux_layers))
+        hidden, aux, logits = self._decoder.forward(
+            x, cos, sin, meta.slot_mapping, kernel.block_tables, kernel.seq_lens,
+            kernel.cu_num_query_tokens, meta.tree_mask, kernel.sliding_window or 0,
+            list(aux_layers), logits_rows)
+        return hidden, aux, None if logits_rows is None else logits
 
 
-def adopt_float32_layers(model: torch.nn.Module) -> bool:
-    """Give a float32 CPU model's decoder linears the kernel's float32 group layout, so the native
-    pass can run them (before `optimize_for_cpu`, which would give them another layout). The
-    outputs stay bit for bit the float32 kernel's. False (nothing changed) where the pass could
-    not run anyway; the LM head and any other linear are left alone."""
+def adopt_float32_layers(layers: list[nn.Module]) -> bool:
+    """Give float32 CPU decoder layers' linears (a model's, or a draft head's) the kernel's float32
+    group layout, so the native pass can run them (before `optimize_for_cpu`, which would give
+    them another layout). The outputs stay bit for bit the float32 kernel's. False (nothing
+    changed) where the pass could not run anyway; the LM head and any other linear are left
+    alone."""
     if not native_pass_enabled() or not native_decoder_available():
         return False
-    linears = [(layer, path) for layer in model.layers for path, _ in _LINEARS]
+    linears = [(layer, path) for layer in layers for path, _ in _LINEARS]
     if not all(type(layer.get_submodule(path)) is nn.Linear
                and layer.get_submodule(path).weight.dtype == torch.float32
                and layer.get_submodule(path).weight.device.type == "cpu"
@@ -106,37 +135,45 @@ def adopt_float32_layers(model: torch.nn.Module) -> bool:
     return True
 
 
-def _unsupported(model: torch.nn.Module) -> str | None:
+def _unsupported(layers: list[nn.Module], final_norm: nn.Module | None) -> str | None:
     if not native_pass_enabled():
         return f"{NATIVE_PASS_ENV}=0"
-    if getattr(model, "tp_group", None) is not None:
-        return "tensor parallelism"
-    for index, layer in enumerate(model.layers):
-        if layer.fused_ops is not decoder_ops:
-            return "the model does not run specserve's CPU decoder ops"
-        if layer.self_attn.batch_invariant:
+    norms = [] if final_norm is None else [final_norm]
+    for index, layer in enumerate(layers):
+        attention = layer.self_attn
+        if attention.fused_ops is not decoder_ops or layer.mlp.fused_ops is not decoder_ops:
+            return "the layers do not run specserve's CPU decoder ops"
+        if attention.batch_invariant:
             return "batch-invariant kernels"
+        if attention.tp_group is not None:
+            return "tensor parallelism"
         for path, _ in _LINEARS:
             if not isinstance(layer.get_submodule(path), QuantizedLinear):
                 return f"layer {index}'s {path} is not packed"
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu":
-                return "norms are not float32 on the CPU"
-    if model.layers[0].self_attn.head_dim % 8:
+        norms += [norm for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+                  if not isinstance(norm, nn.Identity)]
+    if any(norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu"
+           for norm in norms):
+        return "norms are not float32 on the CPU"
+    if len({norm.eps for norm in norms}) != 1:
+        return "norms with different epsilons"
+    if layers[0].self_attn.head_dim % 8:
         return "head_dim is not a multiple of 8"
     if not native_decoder_available():
         return "the native decoder library is not built"
     return None
 
 
-def _new_decoder(model: torch.nn.Module) -> torch.ScriptObject:
-    arch = model.arch
-    attention = model.layers[0].self_attn
-    decoder = new_native_decoder(arch.hidden_size, arch.num_heads, arch.num_kv_heads,
-                                 arch.head_dim, arch.intermediate_size, model.norm.eps,
-                                 attention.scale, model.norm.weight.detach())
-    for index, layer in enumerate(model.layers):
-        decoder.add_layer(layer.input_layernorm.weight.detach(),
+def _new_decoder(layers: list[nn.Module], final_norm: nn.Module | None) -> torch.ScriptObject:
+    attention, post_norm = layers[0].self_attn, layers[0].post_attention_layernorm
+    intermediate = layers[0].mlp.down_proj.parts[0].shape[1]
+    decoder = new_native_decoder(
+        post_norm.weight.numel(), attention.num_heads, attention.num_kv_heads, attention.head_dim,
+        intermediate, post_norm.eps, attention.scale,
+        None if final_norm is None else final_norm.weight.detach())
+    for index, layer in enumerate(layers):
+        input_norm = layer.input_layernorm
+        decoder.add_layer(None if isinstance(input_norm, nn.Identity) else input_norm.weight.detach(),
                           layer.post_attention_layernorm.weight.detach())
         for path, name in _LINEARS:
             linear = layer.get_submodule(path)

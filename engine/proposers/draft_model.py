@@ -56,8 +56,7 @@ class DraftModelProposer(Proposer):
             if not ran:
                 return ran, None
             inputs = self.runner.prepare([self._next_rows(requests[i], drafts[i]) for i in ran])
-            hidden = self.runner.run(inputs)
-            return ran, self.runner.logits(hidden[inputs.last_rows])
+            return ran, self.runner.run_with_logits(inputs, inputs.last_rows)[1]
 
         proposals = draft_chains(requests, max_num_tokens, advance)
         for index, (request, proposal) in enumerate(zip(requests, proposals)):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from engine.models.build import optimize_for_cpu
+from engine.models.native_pass import NativePass, adopt_float32_layers
 from engine.proposers.base import DraftProposal, Proposer, TargetHandle
 from engine.proposers.chain import draft_chains
 from engine.proposers.eagle3_head import Eagle3Head
@@ -33,6 +34,16 @@ from engine.proposers.target_features import TargetFeatureStore
 from engine.request import Request
 from engine.runner.paged_runner import PagedInputs, PagedRunner
 from engine.step.types import SequenceRows
+
+
+def optimize_head(head: nn.Module, layers: list[nn.Module], target: TargetHandle,
+                  **feature_input) -> None:
+    """The head's linears for the CPU, and its decoder layer as one native call where the pass can
+    run it (engine/models/native_pass.py; `feature_input`: EAGLE-3's, for_layers says)."""
+    adopt_float32_layers(layers)  # NOTE: before optimize_for_cpu gives the linears another layout
+    optimize_for_cpu(head, target.dtype, target.device)
+    if target.device.type == "cpu":
+        head.native_pass = NativePass.for_layers(layers, **feature_input)
 
 
 @torch.inference_mode()
@@ -78,7 +89,8 @@ class EagleProposer(Proposer):
             self.head, self.target_feature_layers = Eagle3Head.load(
                 folder, target.arch, target.dtype, target.device)
             # NOTE: before the head's modules are captured below: this swaps its linears
-            optimize_for_cpu(self.head, target.dtype, target.device)
+            optimize_head(self.head, [self.head], target, feature_norm=self.head.hidden_norm,
+                          norm_before_residual=self.head.config.norm_before_residual)
             layer_arch = self.head.config.layer_arch(target.arch)
             # the three target layers' streams, fused once as they arrive
             self._project_features = self.head.fc
@@ -86,7 +98,7 @@ class EagleProposer(Proposer):
             self.embed_tokens = self.head.embed_tokens or target.embed_tokens
         else:
             self.head = EagleHead.load(folder, target.arch, target.dtype, target.device)
-            optimize_for_cpu(self.head, target.dtype, target.device)
+            optimize_head(self.head, [self.head.layer], target)
             layer_arch = self.head.config.layer_arch(target.arch)
             # the LM-head rows of the draft vocabulary, a copy, laid out as the target's linears
             weight = self.head.draft_head_weight(linear_weight(target.lm_head))

@@ -141,6 +141,10 @@ class Eagle3Config:
 
 
 class Eagle3Head(nn.Module):
+    # the layer as one native call on the CPU (engine/models/native_pass.py), where the
+    # proposer built one; None = the modules below
+    native_pass = None
+
     def __init__(self, config: Eagle3Config, arch: LlamaArch, has_embeddings: bool) -> None:
         super().__init__()
         self.config = config
@@ -166,10 +170,13 @@ class Eagle3Head(nn.Module):
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """token_embeds [T, hidden]; features [T, hidden]: fc-fused target features or the head's own
         state; returns the state s [T, hidden] (fed back for the next draft)."""
+        cos, sin = self.rotary(positions, features.dtype)
+        if self.native_pass is not None and self.native_pass.runs(meta):
+            inputs = torch.cat([token_embeds, features], dim=-1)
+            return self.native_pass(inputs, cos[:, 0], sin[:, 0], meta, kv_caches, ())[0]
         normed = self.hidden_norm(features)
         residual = normed if self.config.norm_before_residual else features
         x = torch.cat([self.input_layernorm(token_embeds), normed], dim=-1)
-        cos, sin = self.rotary(positions, x.dtype)
         x = residual + self.self_attn(x, cos, sin, meta, kv_caches[0])
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -100,6 +100,10 @@ class EagleConfig:
 
 
 class EagleHead(nn.Module):
+    # the layer as one native call on the CPU (engine/models/native_pass.py), where the
+    # proposer built one; None = the layer's modules
+    native_pass = None
+
     def __init__(self, config: EagleConfig, target: LlamaArch) -> None:
         super().__init__()
         self.config = config
@@ -120,6 +124,8 @@ class EagleHead(nn.Module):
         layer's cache, in a list as a model's; returns h [T, hidden]."""
         x = self.fc(torch.cat([token_embeds, features], dim=-1))
         cos, sin = self.rotary(positions, x.dtype)
+        if self.native_pass is not None and self.native_pass.runs(meta):
+            return self.native_pass(x, cos[:, 0], sin[:, 0], meta, kv_caches, ())[0]
         return self.layer(x, cos, sin, meta, kv_caches[0])
 
     def draft_head_weight(self, lm_head_weight: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,13 @@ class PagedRunner:
         leading = model_inputs or (inputs.input_ids,)
         return self.model(*leading, inputs.positions, inputs.attn_metadata, self.kv_caches)
 
+    def run_with_logits(self, inputs: PagedInputs, logits_rows: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """run's hidden states and the logits at `logits_rows` ([R] int64), in one native call
+        where the model's CPU pass holds its LM head (LlamaForCausalLM.forward_with_logits)."""
+        return self.model.forward_with_logits(inputs.input_ids, inputs.positions,
+                                              inputs.attn_metadata, self.kv_caches, logits_rows)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 

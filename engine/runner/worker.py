@@ -303,18 +303,20 @@ class Worker:
         `logits_indices`: those rows already on the device (the step layout's), else made here."""
         if self.tp_group is not None and self.rank == 0:
             self.tp_group.send(("execute", forward))
-        hidden = None if self.step_graphs is None else self.step_graphs.run(forward.sequences)
-        if hidden is None:  # a step no graph holds (a prefill, a tree, a big batch): eager
-            hidden = self.runner.run(self.runner.prepare(forward.sequences))
-        if self.tp_group is not None and self.rank == 0:
-            self.tp_group.forget_received()  # NOTE: this pass's sums needed every rank
         if logits_indices is None:
             logits_indices = torch.tensor(forward.logits_rows, dtype=torch.int64,
                                           device=self.device)
+        hidden = None if self.step_graphs is None else self.step_graphs.run(forward.sequences)
+        if hidden is None:  # a step no graph holds (a prefill, a tree, a big batch): eager
+            hidden, logits = self.runner.run_with_logits(
+                self.runner.prepare(forward.sequences), logits_indices)
+        else:
+            logits = self.runner.logits(hidden[logits_indices])
+        if self.tp_group is not None and self.rank == 0:
+            self.tp_group.forget_received()  # NOTE: this pass's sums needed every rank
         rows = hidden[logits_indices]
         token_hidden = self.model.aux_hidden_states if self.model.aux_hidden_layers else hidden
-        return ModelRunnerOutput(logits=self.runner.logits(rows), hidden=rows,
-                                 token_hidden=token_hidden)
+        return ModelRunnerOutput(logits=logits, hidden=rows, token_hidden=token_hidden)
 
     @torch.inference_mode()
     def keep_accepted_paths(self, output: SchedulerOutput, sampled: list[SampledTokens]) -> None:

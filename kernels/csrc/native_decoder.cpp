@@ -18,8 +18,13 @@
 //   each thread  RMSNorm of the residual rows
 //   pieces       gate and up of the same features, then SiLU(gate) * up
 //   pieces       down-projection, added into the residual
-// then the final RMSNorm, by rows. The LM head stays a separate op: only the rows that sample need
-// it.
+// then the final RMSNorm, by rows, and, where the caller names rows and a head was added, the LM
+// head on those rows only (the rows that sample), in pieces like any projection.
+//
+// The same pass runs EAGLE's draft heads, one decoder layer each: without an input norm (the
+// EAGLE authors' layer reads fc's output as it is) and without a final norm (the head returns the
+// residual stream); and EAGLE-3's layer (set_feature_input), whose q|k|v read the token's embedding
+// and a feature side by side, each under its own norm, the feature (or its norm) being the residual.
 //
 // Numerics: bit for bit the torch path's. The matmuls and attention are the very same compiled
 // kernels, reached through entry_points.h; the norms, rotary and SiLU share decoder_math.h with
@@ -121,7 +126,7 @@ class NativeDecoder : public torch::CustomClassHolder {
   NativeDecoder(int64_t gemm_entry_points, int64_t attention_entry_points, int64_t hidden_size,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                 int64_t intermediate_size, double rms_norm_eps, double attention_scale,
-                at::Tensor final_norm)
+                std::optional<at::Tensor> final_norm)
       : gemm_(reinterpret_cast<const GemmEntryPoints*>(gemm_entry_points)),
         attention_(reinterpret_cast<const AttentionEntryPoints*>(attention_entry_points)),
         hidden_(hidden_size),
@@ -131,21 +136,23 @@ class NativeDecoder : public torch::CustomClassHolder {
         intermediate_(intermediate_size),
         eps_(static_cast<float>(rms_norm_eps)),
         scale_(static_cast<float>(attention_scale)),
-        final_norm_(std::move(final_norm)) {
+        final_norm_(final_norm.value_or(at::Tensor())) {
     TORCH_CHECK(gemm_ != nullptr && gemm_->version == specserve_abi::kVersion,
                 "NativeDecoder: the packed matmul library is missing or of another version");
     TORCH_CHECK(attention_ != nullptr && attention_->version == specserve_abi::kVersion,
                 "NativeDecoder: the paged attention library is missing or of another version");
     TORCH_CHECK(head_dim % 8 == 0 && num_heads % num_kv_heads == 0,
                 "NativeDecoder: head_dim must be a multiple of 8 and heads a multiple of kv heads");
-    check_vector(final_norm_, hidden_, "final norm");
+    if (final_norm_.defined()) check_vector(final_norm_, hidden_, "final norm");
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm) {
-    check_vector(input_norm, hidden_, "input norm");
+  // input_norm none: the layer's q|k|v read the residual stream as it is
+  void add_layer(std::optional<at::Tensor> input_norm, at::Tensor post_norm) {
+    if (input_norm.has_value() && input_norm->defined())
+      check_vector(*input_norm, hidden_, "input norm");
     check_vector(post_norm, hidden_, "post-attention norm");
     Layer layer;
-    layer.input_norm = std::move(input_norm);
+    layer.input_norm = input_norm.value_or(at::Tensor());
     layer.post_norm = std::move(post_norm);
     layers_.push_back(std::move(layer));
     ready_.reset();
@@ -156,7 +163,30 @@ class NativeDecoder : public torch::CustomClassHolder {
                        int64_t out_features, int64_t in_features, std::optional<at::Tensor> bias) {
     TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()),
                 "NativeDecoder: no layer " + text(layer));
-    Linear& linear = linear_named(layers_[layer], which);
+    append_part(linear_named(layers_[layer], which), format, std::move(groups), out_features,
+                in_features, std::move(bias));
+  }
+
+  // EAGLE-3's layer: forward's x is [T, 2 * hidden], the token's embedding then a feature; the
+  // layer's q|k|v read [input_norm(embedding), feature_norm(feature)], and the residual stream
+  // starts as the feature, or as its norm where norm_before_residual. One layer only.
+  void set_feature_input(at::Tensor feature_norm, bool norm_before_residual) {
+    check_vector(feature_norm, hidden_, "feature norm");
+    feature_norm_ = std::move(feature_norm);
+    norm_before_residual_ = norm_before_residual;
+    ready_.reset();
+  }
+
+  // one part of the LM head (no bias), parts in vocabulary order: forward's logits_rows need it
+  void add_head_part(int64_t format, at::Tensor groups, int64_t out_features,
+                     int64_t in_features) {
+    TORCH_CHECK(in_features == hidden_, "NativeDecoder: the LM head must read the hidden size");
+    append_part(head_, format, std::move(groups), out_features, in_features, std::nullopt);
+  }
+
+ private:
+  void append_part(Linear& linear, int64_t format, at::Tensor groups, int64_t out_features,
+                   int64_t in_features, std::optional<at::Tensor> bias) {
     TORCH_CHECK(groups.scalar_type() == at::kByte && groups.dim() == 2 && groups.is_contiguous() &&
                     groups.device().is_cpu(),
                 "NativeDecoder: packed groups must be contiguous uint8 [groups, bytes]");
@@ -186,6 +216,8 @@ class NativeDecoder : public torch::CustomClassHolder {
     ready_.reset();
   }
 
+ public:
+
   // per layer [2, num_kv_heads, num_blocks, block_size, head_dim] float32, as the runner holds them
   void set_kv_caches(std::vector<at::Tensor> caches) {
     TORCH_CHECK(caches.size() == layers_.size(), "NativeDecoder: one cache per layer expected");
@@ -212,11 +244,13 @@ class NativeDecoder : public torch::CustomClassHolder {
  private:
   std::string find_shape_problem() const {
     if (layers_.empty()) return "no layers";
+    if (feature_norm_.defined() && (layers_.size() != 1 || !layers_[0].input_norm.defined()))
+      return "a feature input needs one layer, with an input norm";
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const std::string at = " (layer " + text(static_cast<int64_t>(i)) + ")";
-      if (l.qkv.out_features != q_size + 2 * kv_size || l.qkv.in_features != hidden_)
+      if (l.qkv.out_features != q_size + 2 * kv_size || l.qkv.in_features != input_width())
         return "q|k|v projection shape" + at;
       if (l.o.out_features != hidden_ || l.o.in_features != q_size) return "o projection shape" + at;
       if (l.gate_up.out_features != 2 * intermediate_ || l.gate_up.in_features != hidden_)
@@ -230,24 +264,26 @@ class NativeDecoder : public torch::CustomClassHolder {
   }
 
  public:
-  // x: [T, hidden] embedded inputs; cos, sin: [T, head_dim / 2]; slot_mapping: [T] int64;
-  // block_tables [num_seqs, max_blocks], seq_lens [num_seqs], cu_num_query_tokens [num_seqs + 1]:
-  // int32; tree_mask: [T] int64 or none (engine/runner/attention.py). Returns the final-norm
-  // hidden states [T, hidden] and the residual stream entering each of `aux_layers`, side by side
-  // in layer order ([T, distinct aux layers * hidden]), as the torch path leaves them.
-  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin,
-                                             at::Tensor slot_mapping, at::Tensor block_tables,
-                                             at::Tensor seq_lens, at::Tensor cu_num_query_tokens,
-                                             std::optional<at::Tensor> tree_mask,
-                                             int64_t sliding_window,
-                                             std::vector<int64_t> aux_layers) {
+  // x: [T, hidden] embedded inputs (set_feature_input: [T, 2 * hidden]); cos, sin:
+  // [T, head_dim / 2]; slot_mapping: [T] int64; block_tables [num_seqs, max_blocks], seq_lens
+  // [num_seqs], cu_num_query_tokens [num_seqs + 1]: int32; tree_mask: [T] int64 or none
+  // (engine/runner/attention.py); logits_rows: [R] int64 rows of the step, or none. Returns the
+  // final-norm hidden states [T, hidden] (without a final norm: the residual stream), the
+  // residual stream entering each of `aux_layers`, side by side in layer order ([T, distinct aux
+  // layers * hidden]), as the torch path leaves them, and the LM head's logits at logits_rows
+  // ([R, vocab]; [0, 0] without logits_rows).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
+      at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
+      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cu_num_query_tokens,
+      std::optional<at::Tensor> tree_mask, int64_t sliding_window,
+      std::vector<int64_t> aux_layers, std::optional<at::Tensor> logits_rows) {
     const std::string not_ready = check_ready();
     TORCH_CHECK(not_ready.empty(), "NativeDecoder: " + not_ready);
     TORCH_CHECK(layers_[0].kv_cache.defined(), "NativeDecoder: set_kv_caches first");
-    const int64_t T = x.size(0), half = head_dim_ / 2;
-    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && x.scalar_type() == at::kFloat &&
+    const int64_t T = x.size(0), half = head_dim_ / 2, x_width = input_width();
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == x_width && x.scalar_type() == at::kFloat &&
                     x.device().is_cpu(),
-                "NativeDecoder: x must be float32 [T, hidden]");
+                "NativeDecoder: x must be float32 [T, " + text(x_width) + "]");
     for (const at::Tensor* t : {&cos, &sin})
       TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == half &&
                       t->scalar_type() == at::kFloat && t->stride(1) == 1,
@@ -271,6 +307,19 @@ class NativeDecoder : public torch::CustomClassHolder {
                   "NativeDecoder: tree_mask must be [T] int64");
       tree = tree_mask->const_data_ptr<int64_t>();
     }
+    int64_t R = 0;
+    const int64_t* head_rows = nullptr;
+    if (logits_rows.has_value() && logits_rows->defined()) {
+      TORCH_CHECK(!head_.parts.empty(), "NativeDecoder: logits_rows without an LM head");
+      TORCH_CHECK(logits_rows->scalar_type() == at::kLong && logits_rows->is_contiguous() &&
+                      logits_rows->dim() == 1 && logits_rows->device().is_cpu(),
+                  "NativeDecoder: logits_rows must be [R] int64");
+      R = logits_rows->numel();
+      head_rows = logits_rows->const_data_ptr<int64_t>();
+      for (int64_t i = 0; i < R; ++i)
+        TORCH_CHECK(head_rows[i] >= 0 && head_rows[i] < T,
+                    "NativeDecoder: logits row " + text(head_rows[i]) + " is not in the step");
+    }
     const int64_t num_layers = static_cast<int64_t>(layers_.size());
     // the torch path's order: one column block per distinct layer, by layer index
     std::sort(aux_layers.begin(), aux_layers.end());
@@ -290,9 +339,22 @@ class NativeDecoder : public torch::CustomClassHolder {
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     const int64_t qkv_width = q_size + 2 * kv_size;
     const at::TensorOptions options = x.options();
-    at::Tensor residual = x.contiguous().clone();
+    x = x.contiguous();
+    at::Tensor residual = x_width == hidden_ ? x.clone() : at::empty({T, hidden_}, x.options());
+    if (feature_norm_.defined()) {
+      for (int64_t r = 0; r < T; ++r) {
+        const float* feature = x.const_data_ptr<float>() + r * x_width + hidden_;
+        float* row = residual.data_ptr<float>() + r * hidden_;
+        if (norm_before_residual_)
+          specserve_math::normalize_row(feature, feature_norm_.const_data_ptr<float>(), eps_,
+                                        hidden_, row);
+        else
+          std::memcpy(row, feature, hidden_ * sizeof(float));
+      }
+    }
     at::Tensor out = at::empty({T, hidden_}, options);
     at::Tensor aux = at::empty({T, static_cast<int64_t>(aux_layers.size()) * hidden_}, options);
+    at::Tensor logits = at::empty({R, R > 0 ? head_.out_features : 0}, options);
     // one buffer for the step's activations: q|k|v, q, attention, gate|up, SiLU(gate) * up, and
     // the output of a projection before it joins the residual
     const int64_t floats = T * (qkv_width + q_size + q_size + 2 * intermediate_ + intermediate_ +
@@ -320,7 +382,8 @@ class NativeDecoder : public torch::CustomClassHolder {
         attention_->plan(&problem, num_seqs, num_threads, &num_items), attention_->free_plan);
 
     constexpr int64_t kStagesPerLayer = 6;
-    std::unique_ptr<StageSync[]> stages(new StageSync[num_layers * kStagesPerLayer + 1]);
+    // every layer's stages, then the final norm's and the LM head's
+    std::unique_ptr<StageSync[]> stages(new StageSync[num_layers * kStagesPerLayer + 2]);
 
     float* x_rows = residual.data_ptr<float>();
     float* aux_rows = aux.data_ptr<float>();
@@ -329,13 +392,14 @@ class NativeDecoder : public torch::CustomClassHolder {
     const float* sin_ptr = sin.const_data_ptr<float>();
     const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
     const PieceSize piece_size{gemm_->groups_per_task(T), num_threads};
+    const PieceSize head_piece_size{gemm_->groups_per_task(std::max<int64_t>(R, 1)), num_threads};
     const int64_t scratch_floats =
         std::max({gemm_->scratch_floats(T, hidden_), gemm_->scratch_floats(T, q_size),
-                  gemm_->scratch_floats(T, intermediate_)});
+                  gemm_->scratch_floats(T, intermediate_), gemm_->scratch_floats(R, hidden_)});
 
 #pragma omp parallel num_threads(num_threads)
     {
-      std::unique_ptr<float[]> normed(new float[T * hidden_]);
+      std::unique_ptr<float[]> normed(new float[T * x_width]);
       std::unique_ptr<float[]> scratch(new float[std::max<int64_t>(1, scratch_floats)]);
       std::unique_ptr<void, void (*)(void*)> attention_scratch(attention_->new_scratch(),
                                                                attention_->free_scratch);
@@ -360,14 +424,30 @@ class NativeDecoder : public torch::CustomClassHolder {
       for (int64_t li = 0; li < num_layers; ++li) {
         const Layer& layer = layers_[li];
         StageSync* stage = &stages[li * kStagesPerLayer];
-        normalize_rows(x_rows, layer.input_norm.const_data_ptr<float>(), T, normed.get());
+        // what q|k|v read: the input norm of the residual stream, the stream itself (no input
+        // norm), or EAGLE-3's two normed inputs side by side
+        const float* qkv_in = normed.get();
+        if (feature_norm_.defined()) {
+          for (int64_t r = 0; r < T; ++r) {
+            const float* in = x.const_data_ptr<float>() + r * x_width;
+            float* row = normed.get() + r * x_width;
+            specserve_math::normalize_row(in, layer.input_norm.const_data_ptr<float>(), eps_,
+                                          hidden_, row);
+            specserve_math::normalize_row(in + hidden_, feature_norm_.const_data_ptr<float>(),
+                                          eps_, hidden_, row + hidden_);
+          }
+        } else if (layer.input_norm.defined()) {
+          normalize_rows(x_rows, layer.input_norm.const_data_ptr<float>(), T, normed.get());
+        } else {
+          qkv_in = x_rows;  // unchanged until this layer's o-projection, after the q|k|v stage
+        }
         mark(kNorms);
         // q|k|v; the residual rows EAGLE-3 reads are copied out by pieces of this stage, so
         // before the o-projection changes them
         const int64_t qkv_pieces = linear_pieces(layer.qkv, piece_size);
         run_stage(stage[0], qkv_pieces + (aux_slot[li] >= 0 ? T : 0), [&](int64_t piece) {
           if (piece < qkv_pieces) {
-            run_piece(layer.qkv, piece, piece_size, normed.get(), T, act.qkv, qkv_width,
+            run_piece(layer.qkv, piece, piece_size, qkv_in, T, act.qkv, qkv_width,
                       scratch.get());
             return;
           }
@@ -430,17 +510,35 @@ class NativeDecoder : public torch::CustomClassHolder {
         mark(kDown);
       }
       run_stage(stages[num_layers * kStagesPerLayer], T, [&](int64_t r) {
-        specserve_math::normalize_row(x_rows + r * hidden_, final_norm_.const_data_ptr<float>(),
-                                      eps_, hidden_, out.data_ptr<float>() + r * hidden_);
+        float* row = out.data_ptr<float>() + r * hidden_;
+        if (final_norm_.defined())
+          specserve_math::normalize_row(x_rows + r * hidden_, final_norm_.const_data_ptr<float>(),
+                                        eps_, hidden_, row);
+        else
+          std::memcpy(row, x_rows + r * hidden_, hidden_ * sizeof(float));
       });
       mark(kNorms);
+      if (R > 0) {
+        // each thread's own copy of the rows that sample (the final norm's stage is done)
+        std::unique_ptr<float[]> head_in(new float[R * hidden_]);
+        for (int64_t i = 0; i < R; ++i)
+          std::memcpy(head_in.get() + i * hidden_,
+                      out.const_data_ptr<float>() + head_rows[i] * hidden_,
+                      hidden_ * sizeof(float));
+        run_stage(stages[num_layers * kStagesPerLayer + 1], linear_pieces(head_, head_piece_size),
+                  [&](int64_t piece) {
+                    run_piece(head_, piece, head_piece_size, head_in.get(), R,
+                              logits.data_ptr<float>(), head_.out_features, scratch.get());
+                  });
+        mark(kLmHead);
+      }
     }
-    return {out, aux};
+    return {out, aux, logits};
   }
 
   // With profiling on, every forward adds thread 0's seconds per stage kind to stage_seconds()
   // (benchmarks/bench_decode_breakdown.py): norms, q|k|v, rotary and cache writes, attention,
-  // o-projection, gate|up with SiLU, down-projection.
+  // o-projection, gate|up with SiLU, down-projection, LM head.
   void set_profiling(bool on) {
     profiling_ = on;
     stage_seconds_.assign(kNumStages, 0.0);
@@ -451,6 +549,9 @@ class NativeDecoder : public torch::CustomClassHolder {
   struct Activations {
     float *qkv, *q, *attended, *gate_up, *silu, *projected;
   };
+
+  // the width of forward's x and of the first layer's q|k|v input
+  int64_t input_width() const { return feature_norm_.defined() ? 2 * hidden_ : hidden_; }
 
   static void check_vector(const at::Tensor& t, int64_t size, const char* name) {
     TORCH_CHECK(t.dim() == 1 && t.numel() == size && t.scalar_type() == at::kFloat &&
@@ -567,15 +668,19 @@ class NativeDecoder : public torch::CustomClassHolder {
 
   // engine/models/native_pass.py's NATIVE_STAGES names them, in this order
   enum Stage {
-    kNorms, kQkv, kRotaryAndCache, kAttention, kOutProjection, kGateUp, kDown, kNumStages
+    kNorms, kQkv, kRotaryAndCache, kAttention, kOutProjection, kGateUp, kDown, kLmHead,
+    kNumStages
   };
 
   const GemmEntryPoints* gemm_;
   const AttentionEntryPoints* attention_;
   int64_t hidden_, num_heads_, num_kv_heads_, head_dim_, intermediate_;
   float eps_, scale_;
-  at::Tensor final_norm_;
+  at::Tensor final_norm_;    // undefined: forward returns the residual stream
+  at::Tensor feature_norm_;  // defined: EAGLE-3's input (set_feature_input)
+  bool norm_before_residual_ = false;
   std::vector<Layer> layers_;
+  Linear head_;  // the LM head, where add_head_part gave one
   mutable std::optional<std::string> ready_;  // check_ready's answer, once asked
   bool profiling_ = false;
   std::vector<double> stage_seconds_ = std::vector<double>(kNumStages, 0.0);
@@ -586,9 +691,11 @@ class NativeDecoder : public torch::CustomClassHolder {
 TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.class_<NativeDecoder>("NativeDecoder")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
-                       double, at::Tensor>())
+                       double, std::optional<at::Tensor>>())
       .def("add_layer", &NativeDecoder::add_layer)
       .def("add_linear_part", &NativeDecoder::add_linear_part)
+      .def("add_head_part", &NativeDecoder::add_head_part)
+      .def("set_feature_input", &NativeDecoder::set_feature_input)
       .def("set_kv_caches", &NativeDecoder::set_kv_caches)
       .def("check_ready", &NativeDecoder::check_ready)
       .def("forward", &NativeDecoder::forward)

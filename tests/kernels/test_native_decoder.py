@@ -1,5 +1,5 @@
-"""The native CPU pass (engine/models/native_pass.py) gives the torch path's hidden states, KV
-cache and EAGLE-3 features bit for bit: prefill chunks, decode, 2-12 verification rows, batched
+"""The native CPU pass (engine/models/native_pass.py) gives the torch path's hidden states, logits
+(its LM head on the rows that sample), KV cache and EAGLE-3 features bit for bit: prefill chunks, decode, 2-12 verification rows, batched
 sequences, trees and a sliding window, on q/k/v and gate/up parts of different formats, with and
 without a q/k/v bias, on one thread, two, and more threads than cores."""
 
@@ -16,6 +16,7 @@ from engine.models.loader import load_checkpoint
 from engine.runner.paged_runner import PagedRunner
 from engine.step.types import SequenceRows
 from kernels.native_decoder import native_decoder_available
+from tests.helpers.native_pass_steps import ALL_PACKED, steps
 from tests.helpers.tiny_gguf import VOCAB, write_tiny_gguf
 
 pytestmark = pytest.mark.skipif(not native_decoder_available(),
@@ -23,19 +24,6 @@ pytestmark = pytest.mark.skipif(not native_decoder_available(),
 
 CPU = torch.device("cpu")
 NUM_BLOCKS, BLOCK_SIZE = 64, 8
-# every linear packed: layer 0's q/k/v in three formats and gate/up in two (parts side by side),
-# layer 1's in one format each (one fused part)
-ALL_PACKED = {
-    "token_embd.weight": "Q8_0", "output.weight": "Q4_1",
-    "blk.0.attn_q.weight": "F16", "blk.0.attn_k.weight": "Q8_0", "blk.0.attn_v.weight": "Q4_0",
-    "blk.0.attn_output.weight": "BF16", "blk.0.ffn_gate.weight": "Q4_1",
-    "blk.0.ffn_up.weight": "Q8_0", "blk.0.ffn_down.weight": "Q8_0",
-    "blk.1.attn_q.weight": "Q4_0", "blk.1.attn_k.weight": "Q4_0", "blk.1.attn_v.weight": "Q4_0",
-    "blk.1.attn_output.weight": "Q4_1", "blk.1.ffn_gate.weight": "Q4_0",
-    "blk.1.ffn_up.weight": "Q4_0", "blk.1.ffn_down.weight": "Q4_1",
-}
-
-
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("native") / f"{request.param}.gguf"
@@ -43,6 +31,7 @@ def model(request, tmp_path_factory):
     module, backend = build_model(load_checkpoint(str(path), torch.float32, packed=True),
                                   torch.float32, CPU)
     assert module.native_pass is not None and "native pass" in backend
+    assert module.native_pass.has_head  # the Q4_1 output.weight runs in the pass
     return module
 
 
@@ -52,19 +41,16 @@ def runner(module, sliding_window):
                        BlockManager(NUM_BLOCKS, BLOCK_SIZE), sliding_window, CPU)
 
 
-def steps(rng: random.Random) -> list[list[SequenceRows]]:
-    """A conversation of passes: two prompts batched, decode, growing verification, a batch of a
-    decode and a verification, a tree."""
-    tokens = lambda n: [rng.randrange(VOCAB) for _ in range(n)]  # noqa: E731
-    passes = [[SequenceRows("a", 0, tokens(30)), SequenceRows("b", 0, tokens(7))],
-              [SequenceRows("a", 30, tokens(1))]]
-    start = 31
-    for rows in (2, 3, 4, 5, 6, 7, 12):
-        passes.append([SequenceRows("a", start, tokens(rows))])
-        start += rows
-    passes.append([SequenceRows("a", start, tokens(1)), SequenceRows("b", 7, tokens(5))])
-    passes.append([SequenceRows("b", 12, tokens(6), parents=[-1, 0, 0, 1, 1, 2])])
-    return passes
+def sampling_rows(sequences: list[SequenceRows], rng: random.Random) -> torch.Tensor:
+    """Rows whose logits a step wants: each sequence's last, or every row, or a few in any order."""
+    num_rows = sum(len(rows.token_ids) for rows in sequences)
+    choice = rng.randrange(3)
+    if choice == 0:
+        ends = torch.tensor([len(rows.token_ids) for rows in sequences]).cumsum(0)
+        return ends - 1
+    if choice == 1:
+        return torch.arange(num_rows)
+    return torch.tensor([rng.randrange(num_rows) for _ in range(rng.randint(1, 13))])
 
 
 # 3 threads on a 2-core machine: the OS keeps descheduling one, so stages finish with a thread
@@ -77,19 +63,23 @@ def test_native_pass_equals_the_torch_path_bit_for_bit(model, threads, sliding_w
     model.aux_hidden_layers = (1, 0)  # NOTE: out of order: both paths give them in layer order
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
+    rng = random.Random(threads)
     try:
-        for sequences in steps(random.Random(threads)):
+        for sequences in steps(rng):
             outputs = []
+            logits_rows = sampling_rows(sequences, rng)
             for run, pass_ in ((native, native_pass), (reference, None)):
                 for rows in sequences:
                     assert run.reserve(rows.seq_id, rows.start + len(rows.token_ids))
                 model.native_pass = pass_
-                hidden = run.run(run.prepare(sequences))
-                outputs.append((hidden, model.aux_hidden_states))
-            (hidden, aux), (expected, expected_aux) = outputs
+                hidden, logits = run.run_with_logits(run.prepare(sequences), logits_rows)
+                outputs.append((hidden, model.aux_hidden_states, logits))
+            (hidden, aux, logits), (expected, expected_aux, expected_logits) = outputs
             assert hidden.shape == expected.shape
             assert torch.equal(hidden, expected), (hidden - expected).abs().max()
             assert torch.equal(aux, expected_aux)
+            assert logits.shape == (len(logits_rows), VOCAB)
+            assert torch.equal(logits, expected_logits)
         for ours, theirs in zip(native.kv_caches, reference.kv_caches):
             assert torch.equal(ours, theirs)
     finally:
@@ -105,7 +95,7 @@ def test_a_long_run_with_more_threads_than_cores_keeps_every_bit(model):
     rng = random.Random(7)
     saved_threads = torch.get_num_threads()
     runs = {threads: runner(model, None) for threads in (1, 3)}
-    hidden = {}
+    hidden, logits = {}, {}
     try:
         start = 0
         for rows in [24] + [rng.choice([1, 1, 2, 5, 9]) for _ in range(40)]:
@@ -113,8 +103,10 @@ def test_a_long_run_with_more_threads_than_cores_keeps_every_bit(model):
             for threads, run in runs.items():
                 torch.set_num_threads(threads)
                 assert run.reserve("s", start + rows)
-                hidden[threads] = run.run(run.prepare([SequenceRows("s", start, tokens)]))
+                hidden[threads], logits[threads] = run.run_with_logits(
+                    run.prepare([SequenceRows("s", start, tokens)]), torch.arange(rows))
             assert torch.equal(hidden[1], hidden[3])
+            assert torch.equal(logits[1], logits[3])
             start += rows
     finally:
         model.native_pass = native_pass
