@@ -60,14 +60,14 @@ def pass_seconds(llm: LLM, context: int, num_rows: int, repeats: int) -> float:
     table = list(range(-(-seq_len // block_size)))  # blocks 0.. of the cache, as if allocated
     ids = torch.randint(0, worker.arch.vocab_size, (num_rows,), device=worker.device)
     positions = torch.arange(context, seq_len, device=worker.device)
+    every_row = torch.arange(num_rows, device=worker.device)  # a verification samples each
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 3):
             meta = build_attention_metadata([num_rows], [seq_len], [table], block_size,
                                             worker.arch.sliding_window, worker.device)
             start = time.perf_counter()
-            hidden = model(ids, positions, meta, worker.kv_caches)
-            model.compute_logits(hidden)
+            model.forward_with_logits(ids, positions, meta, worker.kv_caches, every_row)
             times.append(time.perf_counter() - start)
     return statistics.median(times[3:])
 
