@@ -10,11 +10,9 @@ from torch import nn
 
 from engine.models.arch import LlamaArch
 from engine.request import Request
-from engine.sample.sampler import process_request_logits, request_probs, sample_one
 from engine.step.layout import DraftProposal
 
-__all__ = ["DraftProposal", "Proposer", "TargetHandle", "model_draft_proposal",
-           "sample_draft_token"]
+__all__ = ["DraftProposal", "Proposer", "TargetHandle", "model_draft_proposal"]
 
 
 @dataclass(frozen=True)
@@ -74,21 +72,6 @@ class Proposer(ABC):
 
     def free(self, request_id: str) -> None:
         """The request ended; drop anything kept for it. Default: nothing kept."""
-
-
-def sample_draft_token(logits: torch.Tensor, request: Request,
-                       draft_token_ids: list[int]) -> tuple[int, torch.Tensor]:
-    """A model-based proposer's next draft token after its earlier drafts `draft_token_ids` of this
-    proposal, and its q, transformed exactly as the target's p will be at that position (min_tokens
-    bans, logit_bias, penalties counting the output and those earlier drafts, temperature, min_p,
-    top-k, top-p): the rejection sampler compares like with like, and q is the distribution the
-    token was drawn from. logits: [vocab]."""
-    params = request.params
-    logits = process_request_logits(logits, request, draft_token_ids)
-    if params.is_greedy:
-        return int(logits.argmax()), logits
-    q = request_probs(logits, params)  # [vocab]
-    return sample_one(q, request.generator), q
 
 
 def model_draft_proposal(request: Request, token_ids: list[int],

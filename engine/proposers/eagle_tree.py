@@ -21,7 +21,8 @@ import torch
 from engine.draft_tree import depth_first
 from engine.proposers.base import DraftProposal
 from engine.request import Request
-from engine.sample.sampler import process_request_logits, request_probs
+from engine.sample.drafting import draft_logits
+from engine.sample.sampler import draft_probs
 
 # children per expanded node, and the frontier (beam) kept per level. EAGLE-2's usual setting spends
 # 60 nodes at 10 per node; budgets here are 8-32 (MAX_TREE_DRAFT_TOKENS), where a 5th sibling's path
@@ -128,12 +129,11 @@ class TreeGrowth:
 
 def draft_log_probs(logits: torch.Tensor, request: Request,
                     paths: list[list[int]]) -> torch.Tensor:
-    """log q of the token after each of `paths`, transformed as the target's p will be there (the
-    chain's sample_draft_token transforms): a greedy request's at temperature 1, a sampled one's
-    after its temperature, min_p, top-k and top-p. logits: [len(paths), vocab]; returns
-    [len(paths), vocab] float32."""
-    logits = torch.stack([process_request_logits(row, request, path)
-                          for row, path in zip(logits, paths)])
+    """log q of the token after each of `paths`, transformed as the target's p will be there
+    (engine/sample/drafting.py, as a chain's drafts): a greedy request's at temperature 1, a
+    sampled one's after its temperature, min_p, top-k and top-p. logits: [len(paths), vocab];
+    returns [len(paths), vocab] float32."""
+    processed, metadata = draft_logits(logits, [request] * len(paths), paths)
     if request.params.is_greedy:
-        return logits.float().log_softmax(dim=-1)
-    return request_probs(logits, request.params).log()
+        return processed.float().log_softmax(dim=-1)
+    return draft_probs(processed, metadata).log()

@@ -2,7 +2,8 @@
 the grammar rejects them, and the same mask on a model proposer's q.
 
 Row j of a request's 1 + k rows gets the grammar's mask after the committed output + drafts d_1..d_j,
-exactly the mask one-token-at-a-time decoding would use there (engine/structured/grammar_state.py).
+exactly the mask one-token-at-a-time decoding would use there (engine/structured/grammar_state.py);
+a drafting pass's row gets the mask the target's row will get after the same drafts.
 
 Where a draft is cut keeps sampling lossless. A deterministic draft (n-gram, suffix, or any draft of
 a greedy request) is cut before its first rejected token: the draft is a function of the context,
@@ -25,39 +26,44 @@ from engine.structured import allocate_token_bitmask, apply_token_bitmask_, fill
 def mask_step_logits(logits: torch.Tensor, layout: StepLayout) -> torch.Tensor:
     """A copy of logits [num_rows, vocab] with each grammar request's rows masked, or `logits`
     itself when no request in the step has a grammar (the raw logits stay for logprobs)."""
-    states, drafts, rows = [], [], []
-    for item, start in zip(layout.sampling, layout.logits_starts):
-        if item.request.grammar is not None:
-            states.append(item.request.grammar)
-            drafts.append(item.draft_token_ids)
-            rows.append(start)
-    if not states:
+    return _masked_rows(logits, [(item.request, item.draft_token_ids, start)
+                                 for item, start in zip(layout.sampling, layout.logits_starts)],
+                        every_prefix=True)
+
+
+def mask_draft_logits(logits: torch.Tensor, requests: list[Request],
+                      drafts: list[list[int]]) -> torch.Tensor:
+    """A drafting pass's logits [rows, vocab], row i masked as the target's row will be after
+    requests[i]'s output then drafts[i] (this proposal's drafts so far): a copy, or `logits`
+    itself when no row's request has a grammar."""
+    return _masked_rows(logits, list(zip(requests, drafts, range(len(requests)))),
+                        every_prefix=False)
+
+
+def _masked_rows(logits: torch.Tensor, entries: list[tuple[Request, list[int], int]],
+                 every_prefix: bool) -> torch.Tensor:
+    """entries: (request, drafts, logits row); with every_prefix the rows row .. row + k get the
+    masks after each prefix of the k drafts (a verification's), else the row gets the mask after
+    all of them (a drafting pass's)."""
+    entries = [entry for entry in entries if entry[0].grammar is not None]
+    if not entries:
         return logits
+    states = [request.grammar for request, _, _ in entries]
+    drafts = [draft for _, draft, _ in entries]
     vocab_size = states[0].vocab_size
     mask_starts = [0]
     for draft in drafts:
         mask_starts.append(mask_starts[-1] + len(draft) + 1)
-    bitmask = allocate_token_bitmask(mask_starts[-1], vocab_size)  # [masked rows, words]
+    bitmask = allocate_token_bitmask(mask_starts[-1], vocab_size)  # [masks, words]
     fill_batch_masks(states, drafts, bitmask, mask_starts[:-1])
-    logits_rows = torch.tensor([row + j for row, draft in zip(rows, drafts)
-                                for j in range(len(draft) + 1)], dtype=torch.int64)
+    if every_prefix:
+        logits_rows = [row + j for (_, draft, row) in entries for j in range(len(draft) + 1)]
+    else:
+        bitmask = bitmask[[start + len(draft) for start, draft in zip(mask_starts, drafts)]]
+        logits_rows = [row for _, _, row in entries]
     masked = logits.clone()
-    apply_token_bitmask_(masked, bitmask, vocab_size, logits_rows)
+    apply_token_bitmask_(masked, bitmask, vocab_size, torch.tensor(logits_rows, dtype=torch.int64))
     return masked
-
-
-def mask_request_logits(logits: torch.Tensor, request: Request,
-                        draft_token_ids: list[int]) -> torch.Tensor:
-    """One request's logits [vocab] at the draft position after `draft_token_ids` (a proposer's
-    earlier drafts of this proposal), masked by its grammar: a copy, or `logits` when it has none."""
-    state = request.grammar
-    if state is None:
-        return logits
-    bitmask = allocate_token_bitmask(len(draft_token_ids) + 1, state.vocab_size)
-    state.fill_masks(draft_token_ids, bitmask, 0)
-    masked = logits[None].clone()  # [1, vocab]
-    apply_token_bitmask_(masked, bitmask[-1:], state.vocab_size)
-    return masked[0]
 
 
 def cut_drafts_at_grammar(requests: list[Request],

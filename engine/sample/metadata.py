@@ -62,10 +62,30 @@ class SamplingMetadata:
     def build(cls, requests: list[Request], num_drafts: list[int], logits_starts: list[int],
               device: torch.device,
               draft_parents: list[list[int] | None] | None = None) -> SamplingMetadata:
-        """requests in batch order with their k and first logits row (the step layout's), and the
-        parents of those verifying a tree (engine/draft_tree.py; None: chains)."""
+        """A verification step's: requests in batch order with their k and first logits row (the
+        step layout's), and the parents of those verifying a tree (engine/draft_tree.py; None:
+        chains). Each request has 1 + k rows, row j after the drafts on its path."""
         if draft_parents is None:
             draft_parents = [None] * len(requests)
+        return cls._build(requests, num_drafts, logits_starts, device,
+                          [row_paths(parents, k) for parents, k in zip(draft_parents, num_drafts)],
+                          draft_parents)
+
+    @classmethod
+    def for_draft_rows(cls, requests: list[Request], drafts: list[list[int]],
+                       device: torch.device) -> SamplingMetadata:
+        """A drafting pass's (engine/sample/drafting.py): row i chooses the token after
+        requests[i]'s output and then drafts[i], this proposal's drafts so far. Its uniforms are
+        the requests' own generators', not keyed ones: `seeded` stays empty."""
+        return cls._build(requests, [len(d) for d in drafts], list(range(len(requests))), device,
+                          [[list(range(len(d)))] for d in drafts], None)
+
+    @classmethod
+    def _build(cls, requests: list[Request], num_drafts: list[int], logits_starts: list[int],
+               device: torch.device, row_drafts: list[list[list[int]]],
+               draft_parents: list[list[int] | None] | None) -> SamplingMetadata:
+        """row_drafts[i]: the drafts (indices into requests[i]'s) before each of its rows, one
+        list per row; draft_parents: a verification's (keyed uniforms), None for drafting."""
         num_draft_tokens = sum(num_drafts)
         is_greedy, temperature, top_k, top_p, request_of_row = [], [], [], [], []
         seeded: list[tuple[Request, int]] = []
@@ -88,8 +108,9 @@ class SamplingMetadata:
             temperature.append(1.0 if params.is_greedy else params.temperature)
             top_k.append(0 if params.is_greedy else max(params.top_k, 0))
             top_p.append(1.0 if params.is_greedy else params.top_p)
-            request_of_row += [index] * (k + 1)
-            if params.seed is not None and not params.is_greedy:
+            paths = row_drafts[index]
+            request_of_row += [index] * len(paths)
+            if draft_parents is not None and params.seed is not None and not params.is_greedy:
                 seeded.append((request, k))
                 seeded_batch_indices.append(index)
                 # NOTE: acceptance uniforms come first, then one per row (recovered or bonus draw)
@@ -100,7 +121,7 @@ class SamplingMetadata:
             if params.min_tokens > request.num_output_tokens:
                 ids = banned_token_ids(request, request.num_output_tokens)
                 # NOTE: a row's output so far is the committed output and the drafts on its path
-                for offset, path in enumerate(row_paths(draft_parents[index], k)):
+                for offset, path in enumerate(paths):
                     if request.num_output_tokens + len(path) < params.min_tokens:
                         banned_rows += [row + offset] * len(ids)
                         banned_ids += ids
@@ -110,7 +131,7 @@ class SamplingMetadata:
             min_p.append(0.0 if params.is_greedy else params.min_p)
             if params.logit_bias:
                 ids, values = zip(*params.logit_bias)
-                for offset in range(k + 1):
+                for offset in range(len(paths)):
                     bias_rows += [row + offset] * len(ids)
                     bias_ids += ids
                     bias_values += values
@@ -132,9 +153,8 @@ class SamplingMetadata:
         penalties = None
         if penalised:
             penalties = PenaltyMetadata.build(
-                [requests[i] for i in penalised], [num_drafts[i] for i in penalised],
-                [logits_starts[i] for i in penalised], [draft_starts[i] for i in penalised], device,
-                [draft_parents[i] for i in penalised])
+                [requests[i] for i in penalised], [logits_starts[i] for i in penalised],
+                [draft_starts[i] for i in penalised], [row_drafts[i] for i in penalised], device)
         return cls(
             is_greedy=greedy_ints.bool(),
             temperature=temperature_t,

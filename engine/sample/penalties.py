@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.draft_tree import row_paths
 from engine.request import Request
 
 
@@ -40,11 +39,10 @@ class PenaltyMetadata:
     num_requests: int
 
     @classmethod
-    def build(cls, requests: list[Request], num_drafts: list[int], logits_starts: list[int],
-              draft_starts: list[int], device: torch.device,
-              draft_parents: list[list[int] | None] | None = None) -> PenaltyMetadata:
-        """The penalised requests with their k, first logits row and first draft index, and the
-        parents of those verifying a tree (None: chains)."""
+    def build(cls, requests: list[Request], logits_starts: list[int], draft_starts: list[int],
+              row_drafts: list[list[list[int]]], device: torch.device) -> PenaltyMetadata:
+        """The penalised requests with their first logits row, first index in the step's drafts,
+        and the drafts (indices into the request's) each of their rows has seen, row by row."""
         from engine.sample.metadata import to_device  # NOTE: here, as metadata.py imports this
 
         rows: list[int] = []
@@ -56,13 +54,11 @@ class PenaltyMetadata:
         pair_rows: list[int] = []
         pair_drafts: list[int] = []
         has_repetition = any(r.params.repetition_penalty != 1.0 for r in requests)
-        if draft_parents is None:
-            draft_parents = [None] * len(requests)
-        for index, (request, k, row, draft_start, parents) in enumerate(
-                zip(requests, num_drafts, logits_starts, draft_starts, draft_parents)):
+        for index, (request, row, draft_start, paths) in enumerate(
+                zip(requests, logits_starts, draft_starts, row_drafts)):
             first = len(rows)
-            rows += range(row, row + k + 1)
-            request_of_row += [index] * (k + 1)
+            rows += range(row, row + len(paths))
+            request_of_row += [index] * len(paths)
             owners += [index] * request.num_output_tokens
             output_ids += request.output_token_ids
             if has_repetition and request.params.repetition_penalty != 1.0:
@@ -70,7 +66,7 @@ class PenaltyMetadata:
                 prompt_ids += request.prompt_token_ids
             # NOTE: a row has seen the drafts on its path (of a chain, row j the first j: k(k+1)/2
             # pairs per request)
-            for j, path in enumerate(row_paths(parents, k)):
+            for j, path in enumerate(paths):
                 pair_rows += [first + j] * len(path)
                 pair_drafts += [draft_start + draft for draft in path]
         (rows_t, request_of_row_t, owners_t, output_t, prompt_owners_t, prompt_t, pair_rows_t,

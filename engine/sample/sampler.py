@@ -1,9 +1,11 @@
-"""Logits -> the target distribution p each row samples from, and the uniforms the draws use.
+"""Logits -> the distribution each row samples from, and the uniforms the draws use: the one law of
+the target's p and every drafter's q (engine/sample/drafting.py builds a drafting pass's metadata
+and calls the same functions), so p and q are compared like with like, and a new sampling
+parameter is added here once.
 
 In vLLM's order: min_tokens bans and logit_bias, then the penalties (engine/sample/penalties.py),
 then argmax for greedy requests or, for random ones, temperature, min_p, top-k and top-p, with
-per-row parameters applied to all rows at once (sampling metadata). Proposers transform their q
-with the same functions, so p and q are compared like with like. Every draw is an inverse CDF at
+per-row parameters applied to all rows at once (sampling metadata). Every draw is an inverse CDF at
 one uniform. An unseeded request's uniforms come from one batched draw on the device; a seeded
 request's are keyed by (seed, output position, stream) (engine/sample/keyed_random.py), computed on
 the host, so its tokens depend on neither the batch, the device, nor how many numbers earlier steps
@@ -18,12 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.request import Request
-from engine.sample.grammar import mask_request_logits
 from engine.sample.keyed_random import keyed_uniforms
-from engine.sample.metadata import SamplingMetadata, banned_token_ids
-from engine.sample.penalties import apply_penalties, penalize_request
-from engine.sampling_params import SamplingParams
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.penalties import apply_penalties
 from kernels.rejection_reference import to_fixed_point
 
 
@@ -63,16 +62,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(logits - top < min_p.to(logits.dtype).log()[:, None], float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
-    """One set of parameters for every row: [vocab] or [rows, vocab] logits, already tempered."""
-    rows = logits.reshape(-1, logits.shape[-1])  # [rows, vocab]
-    if top_k is not None and top_k < logits.shape[-1]:
-        rows = apply_top_k(rows, rows.new_full((len(rows),), top_k, dtype=torch.int64), top_k)
-    if top_p < 1.0:
-        rows = apply_top_p(rows, rows.new_full((len(rows),), top_p, dtype=torch.float32))
-    return rows.reshape(logits.shape)
-
-
 def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """p for every row: [num_rows, vocab] float32. Greedy rows come out untruncated at temperature 1;
     the rejection sampler never reads them."""
@@ -90,39 +79,15 @@ def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tens
     return logits.softmax(dim=-1).nan_to_num_(nan=0.0)  # [num_rows, vocab]
 
 
-def has_mass(logits: torch.Tensor) -> torch.Tensor:
-    """[rows] bool: whether softmax of each row of `logits` [rows, vocab] is a distribution, i.e.
-    its largest entry is finite (amax propagates NaN: a NaN anywhere, +inf, or all -inf fail)."""
-    return logits.amax(dim=-1).isfinite()
-
-
-def request_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One random request's distribution: [vocab] or [rows, vocab] float32 (proposers' q), from
-    logits already biased and penalised."""
-    rows = logits.reshape(-1, logits.shape[-1]).float()  # [rows, vocab]
-    tempered = rows / params.temperature
-    if params.min_p > 0.0:
-        tempered = apply_min_p(tempered, tempered.new_full((len(rows),), params.min_p))
-    tempered = apply_top_k_top_p(tempered, params.top_k_or_none, params.top_p)
-    # NOTE: without mass, q is one-hot at the argmax of the logits (NaN counting as -inf): still a
-    # distribution the draft is drawn from, so verification stays lossless
-    fallback = torch.nan_to_num(rows, nan=float("-inf")).argmax(dim=-1, keepdim=True)  # [rows, 1]
-    one_hot = torch.zeros_like(tempered).scatter_(-1, fallback, 1.0)
-    probs = torch.where(has_mass(tempered)[:, None], tempered.softmax(dim=-1), one_hot)
-    return probs.reshape(logits.shape)
-
-
-def sample_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One draw from `probs` [vocab] by inverse CDF at one uniform (from the request's own generator
-    when it is seeded), over the same fixed-point CDF as the rejection sampler's draws: a token of
-    probability 0 is never drawn."""
-    uniform = torch.rand(1, dtype=torch.float64, generator=generator).item()
-    cdf = to_fixed_point(probs).cumsum(dim=0)  # [vocab] exact
-    total = int(cdf[-1])
-    if total == 0:
-        return int(probs.argmax())
-    threshold = min(int(uniform * total), total - 1)  # NOTE: as kernels.rejection_reference.inverse_cdf
-    return int(torch.searchsorted(cdf, cdf.new_tensor([threshold]), right=True))
+def draft_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """q for a drafting pass's rows (SamplingMetadata.for_draft_rows), by target_probs's law; a row
+    without mass becomes one-hot at the argmax of its logits (NaN counting as -inf): still a
+    distribution the draft is drawn from, so verification stays lossless. logits: [rows, vocab],
+    processed (process_logits); returns [rows, vocab] float32."""
+    probs = target_probs(logits, metadata)
+    fallback = torch.nan_to_num(logits.float(), nan=float("-inf")).argmax(dim=-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, fallback, 1.0)  # [rows, vocab]
+    return torch.where((probs.amax(dim=-1) > 0)[:, None], probs, one_hot)
 
 
 # vocabulary block of the two-level inverse CDF (draw_tokens)
@@ -180,30 +145,6 @@ def process_logits(logits: torch.Tensor, metadata: SamplingMetadata,
         logits = logits.index_put((rows, token_ids), values.to(logits.dtype), accumulate=True)
     if metadata.penalties is not None:
         logits = apply_penalties(logits, metadata.penalties, draft_token_ids)
-    return logits
-
-
-def process_request_logits(logits: torch.Tensor, request: Request,
-                           draft_token_ids: list[int]) -> torch.Tensor:
-    """process_logits for one request's one row [vocab] (a proposer's, for q), its output so far
-    being the committed output then `draft_token_ids`. Returns `logits` itself when nothing
-    applies."""
-    params = request.params
-    logits = mask_request_logits(logits, request, draft_token_ids)
-    banned = banned_token_ids(request, request.num_output_tokens + len(draft_token_ids))
-    if banned:
-        logits = logits.index_fill(0, torch.tensor(banned, device=logits.device), float("-inf"))
-    if not params.logit_bias and not params.has_penalties:
-        return logits
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    if params.logit_bias:
-        token_ids, values = zip(*params.logit_bias)
-        logits = logits.index_put((torch.tensor(token_ids, device=logits.device),),
-                                  torch.tensor(values, dtype=logits.dtype, device=logits.device),
-                                  accumulate=True)
-    if params.has_penalties:
-        logits = penalize_request(logits, request, draft_token_ids)
     return logits
 
 

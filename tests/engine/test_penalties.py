@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import engine.sample.sampler as sampler_module
-from engine.proposers.base import sample_draft_token
 from engine.request import Request
+from engine.sample.drafting import sample_drafts
 from engine.sample.rejection import RejectionSampler
 from engine.sample.sampler import apply_min_p, process_logits, target_probs
 from engine.sampling_params import SamplingParams
@@ -155,7 +155,7 @@ def test_min_p_comes_after_temperature_and_before_top_k_top_p() -> None:
 
 @pytest.mark.parametrize("index", [0, 1, 2, 4, 5])
 def test_draft_q_gets_the_same_transform_at_its_position(index: int) -> None:
-    """sample_draft_token's q at draft position j equals p's transform at verification row j."""
+    """A drafting pass's q at draft position j equals p's transform at verification row j."""
     requests, drafts = case_requests()
     request, draft = requests[index], drafts[index]
     layout = layout_of(requests, drafts)
@@ -163,7 +163,8 @@ def test_draft_q_gets_the_same_transform_at_its_position(index: int) -> None:
     logits = torch.randn(layout.num_rows, VOCAB, dtype=torch.float64) * 3
     processed = process_logits(logits, layout.sampling_metadata, layout.draft_token_ids)
     for j, row in enumerate(layout.rows_of(index)):
-        token, q = sample_draft_token(logits[row], request, draft[:j])
+        [token], q = sample_drafts(logits[row][None], [request], [draft[:j]])
+        q = None if q is None else q[0]
         if request.params.is_greedy:
             assert token == int(processed[row].argmax())
             continue

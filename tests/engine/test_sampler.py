@@ -9,20 +9,15 @@ import torch
 
 import engine.sample.rejection as rejection_module
 from engine.request import Request
+from engine.sample.drafting import sample_drafts
 from engine.sample.logprobs import compute_logprobs
 from engine.sample.rejection import RejectionSampler
-from engine.sample.sampler import (
-    DRAW_BLOCK,
-    apply_top_k_top_p,
-    draw_tokens,
-    request_probs,
-    sample_one,
-    target_probs,
-)
+from engine.sample.sampler import DRAW_BLOCK, draw_tokens, target_probs
 from engine.sampling_params import SamplingParams
 from engine.step.layout import StepLayout
 from engine.step.types import SampledTokens, ScheduledRequest
 from kernels.rejection_reference import inverse_cdf, to_fixed_point
+from tests.helpers.one_request_law import apply_top_k_top_p, request_q
 
 EOS = 0
 VOCAB = 6
@@ -113,9 +108,9 @@ def test_top_k_top_p_work_row_by_row() -> None:
     assert kept(masked[1]) == {5, 2}
 
 
-def test_request_probs_applies_temperature_then_masks() -> None:
+def test_a_drafters_q_applies_temperature_then_masks() -> None:
     logits = log_p().float()
-    probs = request_probs(logits, SamplingParams(temperature=0.5, top_k=3))
+    probs = request_q(logits, SamplingParams(temperature=0.5, top_k=3))
     expected = torch.zeros(VOCAB)
     expected[[4, 1, 3]] = (logits[[4, 1, 3]] / 0.5).softmax(dim=-1)
     torch.testing.assert_close(probs, expected)
@@ -138,18 +133,24 @@ def test_per_row_parameters_transform_each_row_as_its_own_request() -> None:
         if request.params.is_greedy:
             continue
         torch.testing.assert_close(probs[rows.start:rows.stop],
-                                   request_probs(logits[rows.start:rows.stop], request.params),
+                                   request_q(logits[rows.start:rows.stop], request.params),
                                    rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- the inverse-CDF draw
 
 
-def test_sample_one_matches_p() -> None:
+def drafts_drawn(logits: torch.Tensor, num_draws: int, **params: object) -> list[int]:
+    """num_draws drafts of one seeded request at the same position, in one drafting pass."""
+    request = make_request("d", **params)
+    tokens, _ = sample_drafts(logits.float().expand(num_draws, -1), [request] * num_draws,
+                              [[] for _ in range(num_draws)])
+    return tokens
+
+
+def test_a_drafters_draws_match_q() -> None:
     num_draws = 20_000
-    probs = torch.tensor(P)
-    generator = torch.Generator().manual_seed(1234)
-    counts = torch.bincount(torch.tensor([sample_one(probs, generator) for _ in range(num_draws)]),
+    counts = torch.bincount(torch.tensor(drafts_drawn(log_p(), num_draws, seed=1234)),
                             minlength=VOCAB)
     chisquare = pytest.importorskip("scipy.stats").chisquare
     assert chisquare(counts.tolist(), [p * num_draws for p in P]).pvalue > 1e-4
@@ -171,10 +172,8 @@ def test_draw_tokens_is_the_reference_inverse_cdf(vocab: int) -> None:
     assert expected[7] == 8
 
 
-def test_sample_one_never_picks_a_masked_token() -> None:
-    probs = request_probs(log_p().float(), SamplingParams(top_k=2))
-    generator = torch.Generator().manual_seed(0)
-    draws = {sample_one(probs, generator) for _ in range(2000)}
+def test_a_drafter_never_picks_a_masked_token() -> None:
+    draws = set(drafts_drawn(log_p(), 2000, seed=0, top_k=2))
     assert draws == {4, 1}
 
 

@@ -18,10 +18,10 @@ import kernels.rejection_reference as reference_module
 import kernels.tree_rejection as tree_module
 from engine.request import Request
 from engine.sample.rejection import NON_FINITE_LOGITS, RejectionSampler
-from engine.sample.sampler import apply_top_k_top_p, request_probs
 from engine.sampling_params import SamplingParams
 from engine.step.layout import StepLayout
 from engine.step.types import SampledTokens, ScheduledRequest
+from tests.helpers.one_request_law import apply_top_k_top_p, request_q
 
 os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before kernels' Triton modules load (conftest sets it too)
 interpreter = pytest.importorskip("triton.runtime.interpreter")
@@ -135,7 +135,7 @@ def test_q_without_mass_is_one_hot_at_its_argmax(bad: float) -> None:
     """A drafter's q must stay a distribution (its draft is drawn from it, and the kernels read
     it): a row with NaN, +inf or nothing but -inf becomes one-hot at its argmax (NaN as -inf)."""
     logits = torch.tensor([[0.0, 3.0, 1.0], [bad, 3.0, 1.0], [float("-inf")] * 3])
-    probs = request_probs(logits, SamplingParams(temperature=0.5))  # [3, 3]
+    probs = request_q(logits, SamplingParams(temperature=0.5))  # [3, 3]
     assert not probs.isnan().any()
     torch.testing.assert_close(probs.sum(dim=-1), torch.ones(3))
     assert probs[1].tolist() == ([1.0, 0.0, 0.0] if bad > 0 else [0.0, 1.0, 0.0])

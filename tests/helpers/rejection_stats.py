@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.sample.sampler import apply_top_k_top_p
+from tests.helpers.one_request_law import apply_top_k_top_p
 
 try:
     from scipy.stats import chisquare
