@@ -24,7 +24,7 @@ from unittest import mock
 
 import torch
 
-import engine.runner.attention
+import engine.models.attention
 from benchmarks.common import add_model_args, cpu_name, engine_kwargs
 from engine import LLM, SamplingParams
 from kernels.paged_attention_cpu import paged_attention_cpu_available
@@ -39,7 +39,7 @@ def attention_path(name: str) -> contextlib.AbstractContextManager:
     without the kernel, so every layer gathers a padded copy and runs SDPA."""
     if name == "kernel":
         return contextlib.nullcontext()
-    return mock.patch.object(engine.runner.attention, "paged_attention_cpu_available", lambda: False)
+    return mock.patch.object(engine.models.attention, "paged_attention_cpu_available", lambda: False)
 
 
 @contextlib.contextmanager

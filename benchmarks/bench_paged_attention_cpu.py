@@ -19,7 +19,7 @@ import time
 import torch
 
 from benchmarks.common import cpu_name
-from engine.runner.attention import build_attention_metadata, paged_attention, torch_paged_attention
+from engine.models.attention import build_attention_metadata, paged_attention, torch_paged_attention
 from kernels.paged_attention_cpu import paged_attention_cpu_available
 
 # SmolLM2-135M: 9 query heads over 3 kv heads of 64

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from engine.runner.attention import build_attention_metadata, paged_attention, torch_paged_attention
+from engine.models.attention import build_attention_metadata, paged_attention, torch_paged_attention
 
 # (query heads, KV heads, head_dim)
 MODELS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}

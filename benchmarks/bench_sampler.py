@@ -33,9 +33,9 @@ MODES = ("unseeded", "seeded")
 def time_case(batch: int, k: int, top_p: float, seeded: bool, repeats: int, device: str) -> float:
     """Median seconds of one sampler step over `batch` requests with k one-hot drafts each."""
     from engine.request import Request
-    from engine.sample.rejection import RejectionSampler
     from engine.sampling_params import SamplingParams
     from engine.step.layout import StepLayout
+    from engine.step.rejection import RejectionSampler
     from engine.step.types import ScheduledRequest
 
     gen = torch.Generator().manual_seed(0)

@@ -20,8 +20,8 @@ import torch
 
 from benchmarks.common import cpu_name
 from engine import LLM
+from engine.models.attention import build_attention_metadata
 from engine.models.packed_model import packed_bytes
-from engine.runner.attention import build_attention_metadata
 
 AIM = 1.3
 FLOOR_AIM = 1.25

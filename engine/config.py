@@ -129,7 +129,7 @@ class ModelConfig:
 
     @property
     def keep_weights_packed(self) -> bool:
-        """Load the weights packed (engine/models/packed_weight.py): with quantization and dtype
+        """Load the weights packed (kernels/packed_weight.py): with quantization and dtype
         both "auto", on the CPU only. An explicit dtype (float32 included) expands them, as does
         CUDA, which runs bfloat16."""
         return (self.quantization == "auto" and self.dtype == "auto"

@@ -18,13 +18,13 @@ from engine.models.loader import embedded_gguf_path
 from engine.proposers import Proposer, build_proposer
 from engine.request import Request
 from engine.runner.worker import Worker
-from engine.sample.grammar import cut_drafts_at_grammar
-from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_config import SpeculativeConfig
+from engine.step.drafting import cut_drafts_at_grammar
 from engine.step.isolation import propose_isolated, sample_isolated
 from engine.step.layout import DraftProposal, DraftTokens, StepLayout
+from engine.step.rejection import RejectionSampler
 from engine.step.scheduler_output import SchedulerOutput
 from engine.step.types import RequestUpdate, SampledTokens, ScheduledRequest, StepResult
 from engine.structured import CompiledGrammar, GrammarCompiler, GrammarState

@@ -2,7 +2,7 @@
 sequence's K/V blocks in place, so a batch never builds a padded copy of every context in every
 layer.
 
-The torch path in `engine/runner/attention.py` is the reference; the kernel agrees with it within float32
+The torch path in `engine/models/attention.py` is the reference; the kernel agrees with it within float32
 rounding and, unlike it, gives each row the same bits whatever else is in the batch (see the C++
 file).
 """
@@ -39,7 +39,7 @@ def paged_attention_cpu(
     tree_mask: torch.Tensor | None = None,  # [num_tokens] int64: ancestor bits, -1 = causal row
 ) -> torch.Tensor:
     """Every query row over its sequence's context: [num_tokens, num_heads * head_dim]. A tree
-    row (tree_mask, engine/runner/attention.py) sees the context and the rows of its own path only."""
+    row (tree_mask, engine/models/attention.py) sees the context and the rows of its own path only."""
     assert query.ndim == 3 and kv_cache.ndim == 5 and kv_cache.shape[0] == 2
     assert query.is_contiguous() and kv_cache.is_contiguous()
     assert block_tables.dtype == seq_lens.dtype == cu_num_query_tokens.dtype == torch.int32

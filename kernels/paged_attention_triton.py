@@ -1,7 +1,7 @@
 """Paged attention in Triton: every row of a step (prefill chunks, decode tokens, 1 + k verification rows)
 attends to its sequence's K/V read from the cache blocks in place.
 
-The torch path in `engine/runner/attention.py` (`torch_paged_attention`) is the reference: it gathers every
+The torch path in `engine/models/attention.py` (`torch_paged_attention`) is the reference: it gathers every
 sequence's blocks into a padded copy, in every layer, which on a GPU costs a copy of the whole context
 and a launch per op. This kernel reads each key and value once, where it lives, with an online softmax.
 
@@ -11,7 +11,7 @@ model with 3 query heads per KV head fills 3 of the tile's rows and reads its ke
 
     tile row m -> query row m // QUERIES_PER_KV, head kv_head * QUERIES_PER_KV + m % QUERIES_PER_KV
 
-A tree verification (engine/runner/attention.py) passes `tree_mask`, one int64 per row: -1 for a causal
+A tree verification (engine/models/attention.py) passes `tree_mask`, one int64 per row: -1 for a causal
 row, else the row's ancestor bits; a tree row sees the context before its sequence's row 0 and
 the rows whose bits it holds.
 
@@ -89,7 +89,7 @@ def _paged_attention_kernel(
         # a tree row's window ends at start + its depth, at most its row
         first_pos = tl.where(tl.load(tree_mask_ptr + query_start) != -1, context_start, first_pos)
         # NOTE: the context a tree row sees starts at start + popcount - window: its mask holds
-        # min(depth + 1, window) bits (engine/runner/attention.py, tree_ancestor_masks)
+        # min(depth + 1, window) bits (engine/models/attention.py, tree_ancestor_masks)
         context_begin = tl.zeros([BLOCK_M], dtype=tl.int32)
         if HAS_SLIDING_WINDOW:
             bits = (tree[:, None] >> tl.arange(0, 64)[None, :].to(tl.int64)) & 1  # [BLOCK_M, 64]

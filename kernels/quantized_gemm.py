@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.models.packed_weight import PackedWeight, block_geometry
 from kernels.cpu_extension import load_cpu_library
+from kernels.packed_weight import PackedWeight, block_geometry
 
 GROUP_WIDTH = 16  # rows per group: 2 AVX2 registers of outputs
 # the kernel's format ids (quantized_gemm.cpp's enum Format)

@@ -13,9 +13,9 @@ from engine.adaptive.step_cost import StepCostModel
 from engine.kv.block_manager import BlockManager
 from engine.request import Request
 from engine.runner.worker import Worker
-from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
 from engine.step.layout import StepLayout
+from engine.step.rejection import RejectionSampler
 from engine.step.types import ForwardInput, ScheduledRequest, SequenceRows
 
 # token counts timed at start-up (decode batches with their drafts); steps in between are

@@ -105,7 +105,7 @@ def optimize_for_cpu(model: torch.nn.Module, dtype: torch.dtype, device: torch.d
 
 def allocate_kv_cache(arch: LlamaArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
-    """Per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (engine/runner/attention.py),
+    """Per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (engine/models/attention.py),
     zeros."""
     shape = (2, arch.num_kv_heads, num_blocks, block_size, arch.head_dim)
     if device.type == "cpu":

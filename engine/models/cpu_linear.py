@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.packed_weight import PackedWeight
+from kernels.packed_weight import PackedWeight
 from kernels.quantized_gemm import (
     KernelWeight,
     pack_for_kernel,

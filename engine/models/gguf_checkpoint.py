@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.models.gguf_file import GGUFLayout, GGUFTensor, read_gguf_layout
-from engine.models.packed_weight import PACKED_FORMATS, PackedWeight
+from kernels.packed_weight import PACKED_FORMATS, PackedWeight
 
 if TYPE_CHECKING:
     import transformers

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import LlamaArch
-from engine.runner.attention import AttentionMetadata, paged_attention, write_kv
+from engine.models.attention import AttentionMetadata, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):

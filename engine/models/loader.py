@@ -31,7 +31,7 @@ from engine.models.gguf_checkpoint import (
     read_gguf_weights,
 )
 from engine.models.gguf_file import GGUFLayout, read_gguf_layout
-from engine.models.packed_weight import PackedWeight
+from kernels.packed_weight import PackedWeight
 
 if TYPE_CHECKING:
     import transformers
@@ -73,7 +73,7 @@ def load_checkpoint(model: str | None, dtype: torch.dtype, packed: bool = False,
                     defer_tokenizer: bool = False) -> Checkpoint:
     """Load `--model`; None means the embedded SmolLM2-135M-Instruct. Never touches the hub.
 
-    packed=True keeps 2-D weights stored as GGUF blocks (engine.models.packed_weight's
+    packed=True keeps 2-D weights stored as GGUF blocks (kernels.packed_weight's
     PACKED_FORMATS) or as bf16/f16 as PackedWeight, everything else float32 (`dtype` is not used);
     packed=False gives every weight as a `dtype` tensor.
 

@@ -17,8 +17,8 @@ import os
 import torch
 from torch import nn
 
+from engine.models.attention import AttentionMetadata
 from engine.models.cpu_linear import QuantizedLinear
-from engine.runner.attention import AttentionMetadata
 from kernels import decoder_ops
 from kernels.native_decoder import native_decoder_available, new_native_decoder
 from kernels.quantized_gemm import pack_float32_for_kernel

@@ -15,7 +15,7 @@ import torch
 
 from engine.models.cpu_linear import QuantizedEmbedding, QuantizedLinear
 from engine.models.llama import LlamaForCausalLM
-from engine.models.packed_weight import PackedWeight
+from kernels.packed_weight import PackedWeight
 
 # the module's fused linears and the Hugging Face projections stacked into each, in order
 _FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.models.cpu_linear import QuantizedEmbedding, QuantizedLinear
-from engine.models.packed_weight import PackedWeight
+from kernels.packed_weight import PackedWeight
 
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "embed_tokens.weight")
 LM_HEAD_NAME = "lm_head.weight"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from engine.proposers.base import DraftProposal, Proposer, TargetHandle
+from engine.proposers.base import DraftProposal, Proposer
+from engine.runner.target_handle import TargetHandle
 from engine.spec_config import SpeculativeConfig
 
 

@@ -15,10 +15,11 @@ import torch
 from engine.models.arch import LlamaArch
 from engine.models.build import build_model
 from engine.models.loader import load_checkpoint
-from engine.proposers.base import DraftProposal, Proposer, TargetHandle
+from engine.proposers.base import DraftProposal, Proposer
 from engine.proposers.chain import draft_chains
 from engine.request import Request
 from engine.runner.paged_runner import PagedRunner
+from engine.runner.target_handle import TargetHandle
 from engine.step.types import SequenceRows
 
 

@@ -25,14 +25,15 @@ from torch import nn
 
 from engine.models.build import optimize_for_cpu
 from engine.models.native_pass import NativePass, adopt_float32_layers
-from engine.proposers.base import DraftProposal, Proposer, TargetHandle
+from engine.proposers.base import DraftProposal, Proposer
 from engine.proposers.chain import draft_chains
 from engine.proposers.eagle3_head import Eagle3Head
-from engine.proposers.eagle_head import EagleHead
 from engine.proposers.eagle_tree import TreeGrowth
+from engine.proposers.published_eagle import load_eagle_head
 from engine.proposers.target_features import TargetFeatureStore
 from engine.request import Request
 from engine.runner.paged_runner import PagedInputs, PagedRunner
+from engine.runner.target_handle import TargetHandle
 from engine.step.types import SequenceRows
 
 
@@ -97,7 +98,7 @@ class EagleProposer(Proposer):
             self._draft_logits = self.head.draft_logits
             self.embed_tokens = self.head.embed_tokens or target.embed_tokens
         else:
-            self.head = EagleHead.load(folder, target.arch, target.dtype, target.device)
+            self.head = load_eagle_head(folder, target.arch, target.dtype, target.device)
             optimize_head(self.head, [self.head.layer], target)
             layer_arch = self.head.config.layer_arch(target.arch)
             # the LM-head rows of the draft vocabulary, a copy, laid out as the target's linears

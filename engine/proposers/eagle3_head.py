@@ -34,9 +34,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from engine.models.arch import LlamaArch
+from engine.models.attention import AttentionMetadata
 from engine.models.llama import MLP, Attention, RMSNorm, RotaryEmbedding
 from engine.proposers.head_weights import read_json_config, read_weights
-from engine.runner.attention import AttentionMetadata
 
 AUTHORS_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # q/k/v and gate/up are fused in our layer: (fused name, shard)

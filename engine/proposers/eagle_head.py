@@ -27,14 +27,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.models.arch import LlamaArch
+from engine.models.attention import AttentionMetadata
 from engine.models.llama import DecoderLayer, RotaryEmbedding
 from engine.proposers.speculator_folder import (
     WEIGHTS_FILE,
-    is_published,
     read_config,
     write_config,
 )
-from engine.runner.attention import AttentionMetadata
 
 CONFIG_FILE = "eagle_config.json"
 
@@ -145,24 +144,22 @@ class EagleHead(nn.Module):
                   os.path.join(folder, WEIGHTS_FILE))
 
     @classmethod
-    def load(cls, folder: str, target: LlamaArch, dtype: torch.dtype,
-             device: torch.device) -> EagleHead:
-        """specserve's own head folder, or one the EAGLE authors published (detected by its
-        config.json and the absence of eagle_config.json); a head for another model fails here."""
-        if is_published(folder, CONFIG_FILE):
-            from engine.proposers.published_eagle import load_authors_head
+    def read(cls, folder: str, target: LlamaArch) -> EagleHead:
+        """specserve's own head folder (engine/proposers/published_eagle.py's load_eagle_head also
+        reads the EAGLE authors'); a head for another model fails here."""
+        config = EagleConfig.load(folder)
+        config.check_fits(target, folder)
+        head = cls(config, target)
+        head.load_state_dict(load_file(os.path.join(folder, WEIGHTS_FILE)))
+        ids = head.draft_token_ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
+            raise ValueError(f"the draft vocabulary in {folder} has token ids outside the "
+                             f"target's")
+        return head
 
-            head = load_authors_head(folder, target)
-        else:
-            config = EagleConfig.load(folder)
-            config.check_fits(target, folder)
-            head = cls(config, target)
-            head.load_state_dict(load_file(os.path.join(folder, WEIGHTS_FILE)))
-            ids = head.draft_token_ids
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= config.vocab_size):
-                raise ValueError(f"the draft vocabulary in {folder} has token ids outside the "
-                                 f"target's")
-        head = head.to(device=device, dtype=dtype).eval()
+    def placed(self, target: LlamaArch, dtype: torch.dtype, device: torch.device) -> EagleHead:
+        """The head in `dtype` on `device`, for inference."""
+        head = self.to(device=device, dtype=dtype).eval()
         # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the target
         head.rotary.inv_freq = torch.tensor(head.config.layer_arch(target).rope_inv_freq,
                                             dtype=torch.float32, device=device)

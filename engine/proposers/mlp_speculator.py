@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.proposers.base import DraftProposal, Proposer, TargetHandle
+from engine.proposers.base import DraftProposal, Proposer
 from engine.proposers.chain import draft_chains
 from engine.proposers.published_mlp_speculator import PublishedMLPSpeculator
 from engine.proposers.speculator_folder import (
@@ -33,6 +33,7 @@ from engine.proposers.speculator_folder import (
     write_config,
 )
 from engine.request import Request
+from engine.runner.target_handle import TargetHandle
 
 CONFIG_FILE = "speculator_config.json"
 

@@ -26,11 +26,21 @@ import torch
 
 from engine.models.arch import LlamaArch
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
-from engine.proposers.eagle_head import EagleConfig, EagleHead
+from engine.proposers.eagle_head import CONFIG_FILE, EagleConfig, EagleHead
 from engine.proposers.head_weights import read_json_config, read_weights
-from engine.proposers.speculator_folder import check_published_method
+from engine.proposers.speculator_folder import check_published_method, is_published
 
 LAYER_PREFIX = "layers.0."
+
+
+def load_eagle_head(folder: str, target: LlamaArch, dtype: torch.dtype,
+                    device: torch.device) -> EagleHead:
+    """specserve's own head folder, or one the EAGLE authors published (detected by its
+    config.json and the absence of eagle_config.json), ready for inference; a head for another
+    model fails here."""
+    published = is_published(folder, CONFIG_FILE)
+    head = load_authors_head(folder, target) if published else EagleHead.read(folder, target)
+    return head.placed(target, dtype, device)
 
 
 def read_authors_json(folder: str) -> dict[str, Any]:

@@ -34,8 +34,8 @@ from torch import nn
 
 from engine.kv.block_manager import BlockManager
 from engine.models.arch import LlamaArch
+from engine.models.attention import AttentionMetadata, build_attention_metadata, check_tree_rows
 from engine.models.build import allocate_kv_cache
-from engine.runner.attention import AttentionMetadata, build_attention_metadata, check_tree_rows
 from engine.step.types import SequenceRows
 
 

@@ -1,7 +1,7 @@
 """The tensor-parallel rank processes: started, joined, served and stopped.
 
 Rank 0 is the engine process (it owns the scheduler, the sampler and the drafters); the other ranks
-of its node are processes it starts (`main` below), and a node with
+of its node are processes it starts (engine/runner/rank_process.py), and a node with
 `--node-rank 1..` starts its own ranks the same way (`specserve serve --node-rank N`, no server).
 Every rank runs the same Worker on its shard; ranks other than 0 wait for rank 0's messages and
 answer each with their part of the pass:
@@ -16,14 +16,12 @@ closes), exits.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict
 
@@ -31,10 +29,6 @@ from engine.config import CacheConfig, ModelConfig, ParallelConfig
 from engine.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
-
-# seconds between checks that the parent process still lives
-_PARENT_POLL_S = 1.0
-
 
 def start_rank_processes(model_config: ModelConfig, cache_config: CacheConfig,
                          parallel: ParallelConfig, ranks: range) -> list[subprocess.Popen]:
@@ -44,9 +38,7 @@ def start_rank_processes(model_config: ModelConfig, cache_config: CacheConfig,
                            "parallel": asdict(parallel)})
     processes = []
     for rank in ranks:
-        # NOTE: -c, not -m: importing the engine package imports this module, which -m would
-        # then run a second time as __main__
-        command = [sys.executable, "-c", "from engine.runner.ranks import main; main()",
+        command = [sys.executable, "-m", "engine.runner.rank_process",
                    "--rank", str(rank),
                    "--parent-pid", str(os.getpid()), "--configs", settings]
         processes.append(subprocess.Popen(command))
@@ -92,54 +84,3 @@ def stop_rank_processes(processes: list[subprocess.Popen], timeout_s: float = 10
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-
-
-def serve_rank(worker) -> None:
-    """A rank other than 0: run rank 0's messages until it says stop (or is gone)."""
-    group = worker.tp_group
-    while True:
-        kind, payload = group.receive()
-        if kind == "execute":
-            worker.execute(payload)
-        elif kind == "keep_rows":
-            worker.keep_rows(payload)
-        elif kind == "stop":
-            return
-        else:
-            raise RuntimeError(f"rank {group.rank}: unknown message {kind!r}")
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)  # NOTE: the engine (or node launcher) is gone; nobody will stop us
-        time.sleep(_PARENT_POLL_S)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="one tensor-parallel rank (started by the engine)")
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--parent-pid", type=int, required=True)
-    parser.add_argument("--configs", required=True,
-                        help="the model, cache and parallel configs as JSON")
-    options = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format=f"%(asctime)s %(levelname)s rank {options.rank} %(name)s: "
-                               f"%(message)s")
-    threading.Thread(target=_exit_with_parent, args=(options.parent_pid,), daemon=True).start()
-    configs = json.loads(options.configs)
-    from engine.runner.worker import Worker  # NOTE: torch and the model code load after the checks
-
-    worker = Worker(ModelConfig(**configs["model"]), CacheConfig(**configs["cache"]),
-                    ParallelConfig(**configs["parallel"]), rank=options.rank)
-    try:
-        serve_rank(worker)
-    except RuntimeError as error:  # rank 0 left: its connection closed, or a collective timed out
-        logger.error("leaving: %s", error)
-        raise SystemExit(1) from None
-    finally:
-        worker.tp_group.close()
-
-
-if __name__ == "__main__":
-    main()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.models.arch import LlamaArch
-from engine.models.packed_weight import PackedWeight, block_geometry
+from kernels.packed_weight import PackedWeight, block_geometry
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runner.attention import AttentionMetadata, KernelInputs
+from engine.models.attention import AttentionMetadata, KernelInputs
 
 
 @dataclass(frozen=True)

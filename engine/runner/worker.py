@@ -21,12 +21,12 @@ from engine.models.loader import Checkpoint, WeightPart, load_checkpoint
 from engine.models.memory import MemoryReport, release_freed_memory, resident_bytes
 from engine.models.packed_model import packed_bytes
 from engine.models.vocab_heads import build_vocab_heads, vocab_weight_names, vocab_weights
-from engine.proposers.base import TargetHandle
 from engine.runner.collectives import Rendezvous, TensorParallelGroup, free_port
 from engine.runner.cuda_graphs import StepGraphs, graph_query_lens, why_no_graphs
 from engine.runner.paged_runner import PagedRunner
 from engine.runner.ranks import start_rank_processes, stop_rank_processes
 from engine.runner.sharding import ShardPlan, intermediate_unit, shard_spec, shard_weights
+from engine.runner.target_handle import TargetHandle
 from engine.step.scheduler_output import SchedulerOutput
 from engine.step.types import ForwardInput, SampledTokens
 from kernels.cpu_extension import PACKED_MODEL_KERNELS, build_cpu_libraries
@@ -253,7 +253,7 @@ class Worker:
         self.model.aux_hidden_layers = tuple(layer_ids)
 
     def target_handle(self) -> TargetHandle:
-        """What drafters may use of the target (engine/proposers/base.py)."""
+        """What drafters may use of the target (engine/runner/target_handle.py)."""
         model = self.model
         if self.tp_group is not None:  # drafters run on rank 0, beside the shards: whole tables
             model = None

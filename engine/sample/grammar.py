@@ -5,7 +5,7 @@ Row j of a request's 1 + k rows gets the grammar's mask after the committed outp
 exactly the mask one-token-at-a-time decoding would use there (engine/structured/grammar_state.py);
 a drafting pass's row gets the mask the target's row will get after the same drafts.
 
-Where a draft is cut keeps sampling lossless. A deterministic draft (n-gram, suffix, or any draft of
+Where a draft is cut (engine/step/drafting.py) keeps sampling lossless. A deterministic draft (n-gram, suffix, or any draft of
 a greedy request) is cut before its first rejected token: the draft is a function of the context,
 so cutting it cannot bias anything. A SAMPLED draft x ~ q is cut after its first rejected token,
 which stays in the block: the mask gives it p(x) = 0, so the rejection sampler rejects it for sure
@@ -19,16 +19,15 @@ from __future__ import annotations
 import torch
 
 from engine.request import Request
-from engine.step.layout import DraftProposal, StepLayout
 from engine.structured import allocate_token_bitmask, apply_token_bitmask_, fill_batch_masks
 
 
-def mask_step_logits(logits: torch.Tensor, layout: StepLayout) -> torch.Tensor:
-    """A copy of logits [num_rows, vocab] with each grammar request's rows masked, or `logits`
-    itself when no request in the step has a grammar (the raw logits stay for logprobs)."""
-    return _masked_rows(logits, [(item.request, item.draft_token_ids, start)
-                                 for item, start in zip(layout.sampling, layout.logits_starts)],
-                        every_prefix=True)
+def mask_verification_logits(logits: torch.Tensor, requests: list[Request],
+                             drafts: list[list[int]], logits_starts: list[int]) -> torch.Tensor:
+    """A verification step's logits [num_rows, vocab], each grammar request's rows starts[i] ..
+    starts[i] + k masked after each prefix of its k drafts: a copy, or `logits` itself when no
+    request in the step has a grammar (the raw logits stay for logprobs)."""
+    return _masked_rows(logits, list(zip(requests, drafts, logits_starts)), every_prefix=True)
 
 
 def mask_draft_logits(logits: torch.Tensor, requests: list[Request],
@@ -64,20 +63,3 @@ def _masked_rows(logits: torch.Tensor, entries: list[tuple[Request, list[int], i
     masked = logits.clone()
     apply_token_bitmask_(masked, bitmask, vocab_size, torch.tensor(logits_rows, dtype=torch.int64))
     return masked
-
-
-def cut_drafts_at_grammar(requests: list[Request],
-                          proposals: list[DraftProposal]) -> list[DraftProposal]:
-    """Each grammar request's draft cut where its grammar rejects it (see the module docstring for
-    why a sampled draft keeps its first rejected token); a tree keeps its main chain, as the
-    grammar's masks follow one path."""
-    cut = []
-    for request, proposal in zip(requests, proposals):
-        if request.grammar is not None and proposal.token_ids:
-            proposal = proposal.main_chain()
-            num_valid = request.grammar.valid_draft_prefix(proposal.token_ids)
-            is_sampled = proposal.probs is not None and not request.params.is_greedy
-            keep = num_valid + 1 if is_sampled else num_valid
-            proposal = proposal.first(keep) if keep else DraftProposal([])
-        cut.append(proposal)
-    return cut

@@ -12,6 +12,7 @@ from engine.draft_tree import depths, row_paths, sibling_ranks
 from engine.request import Request
 from engine.sample.keyed_random import FIRST_ACCEPTANCE_STREAM, SAMPLE_STREAM
 from engine.sample.penalties import PenaltyMetadata
+from engine.sample.transfer import to_device
 
 
 @dataclass
@@ -177,13 +178,6 @@ class SamplingMetadata:
             penalties=penalties,
             min_p=min_p_t[0] if has_min_p else None,
         )
-
-
-def to_device(lists: list[list], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Host lists -> 1-D tensors on `device`, in one tensor and one copy (each step builds several):
-    contiguous views of it, one per list."""
-    packed = torch.tensor([value for values in lists for value in values], dtype=dtype)
-    return list(packed.to(device).split_with_sizes([len(values) for values in lists]))
 
 
 def uniform_keys(seed: int, num_output_tokens: int, parents: list[int] | None,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.request import Request
+from engine.sample.transfer import to_device
 
 
 @dataclass
@@ -43,8 +44,6 @@ class PenaltyMetadata:
               row_drafts: list[list[list[int]]], device: torch.device) -> PenaltyMetadata:
         """The penalised requests with their first logits row, first index in the step's drafts,
         and the drafts (indices into the request's) each of their rows has seen, row by row."""
-        from engine.sample.metadata import to_device  # NOTE: here, as metadata.py imports this
-
         rows: list[int] = []
         request_of_row: list[int] = []
         owners: list[int] = []

@@ -24,7 +24,8 @@ from itertools import accumulate
 import torch
 
 from engine.draft_tree import chain_parents, check_parents, is_chain, main_chain_length
-from engine.sample.metadata import SamplingMetadata, to_device
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.transfer import to_device
 from engine.step.types import ScheduledRequest
 
 

@@ -38,10 +38,10 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from engine.models.arch import LlamaArch
+from engine.models.attention import AttentionMetadata
 from engine.models.llama import Attention
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_feature_layers
 from engine.proposers.eagle_head import EagleConfig, EagleHead
-from engine.runner.attention import AttentionMetadata
 
 logger = logging.getLogger("specserve.train")
 

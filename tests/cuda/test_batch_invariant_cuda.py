@@ -9,7 +9,7 @@ import torch
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.runner.attention import build_attention_metadata
+from engine.models.attention import build_attention_metadata
 
 CUDA = torch.device("cuda")
 

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.runner.attention import build_attention_metadata
+from engine.models.attention import build_attention_metadata
 from kernels.tree_rejection import random_tree_inputs
 from kernels.tree_rejection import tree_rejection_sample_reference as reference
 

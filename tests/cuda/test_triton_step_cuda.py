@@ -11,8 +11,8 @@ import torch
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
+from engine.models.attention import build_attention_metadata, torch_paged_attention
 from engine.models.llama import apply_rotary
-from engine.runner.attention import build_attention_metadata, torch_paged_attention
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine.runner.attention import build_attention_metadata, torch_paged_attention
+from engine.models.attention import build_attention_metadata, torch_paged_attention
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 16, 4, 32
 

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-import engine.runner.attention as attention
-from engine.runner.attention import build_attention_metadata, paged_attention, torch_paged_attention
+import engine.models.attention as attention
+from engine.models.attention import build_attention_metadata, paged_attention, torch_paged_attention
 from kernels.paged_attention_cpu import paged_attention_cpu_available
 
 needs_kernel = pytest.mark.skipif(not paged_attention_cpu_available(),

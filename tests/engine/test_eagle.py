@@ -17,6 +17,7 @@ from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle_head import EagleConfig, EagleHead
+from engine.proposers.published_eagle import load_eagle_head
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [1] + list(range(30, 62)), [1, 60], [1, 11, 12, 13, 14]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -142,10 +143,10 @@ def test_a_folder_without_a_head_is_refused(target, tmp_path):
 def test_the_unrolled_training_layout_is_what_drafting_computes(arch, untrained):
     """Step s of training at position i equals drafting: catch up on true features to position
     i - s + 1, then feed the head its own outputs for s - 1 more positions."""
-    from engine.runner.attention import build_attention_metadata
+    from engine.models.attention import build_attention_metadata
     from engine.training.train_eagle import UnrolledChain, unrolled_hidden
 
-    head = EagleHead.load(untrained, arch, torch.float64, torch.device("cpu"))
+    head = load_eagle_head(untrained, arch, torch.float64, torch.device("cpu"))
     torch.manual_seed(3)
     window, steps = 12, 3
     embeds = torch.randn(2 * window, arch.hidden_size, dtype=torch.float64)

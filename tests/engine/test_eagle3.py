@@ -25,9 +25,9 @@ from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
+from engine.models.attention import build_attention_metadata
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle3_head import Eagle3Head
-from engine.runner.attention import build_attention_metadata
 
 FEATURE_LAYERS = [0, 2, 3]
 PROMPTS = [[1, 5, 9, 13, 2, 7], [1] + list(range(30, 62)), [1, 60], [1, 11, 12, 13, 14]]

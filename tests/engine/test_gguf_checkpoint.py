@@ -21,7 +21,7 @@ from engine.models.gguf_checkpoint import (
     read_gguf_config,
 )
 from engine.models.loader import embedded_gguf_path, load_checkpoint, load_tokenizer
-from engine.models.packed_weight import PACKED_FORMATS, PackedWeight
+from kernels.packed_weight import PACKED_FORMATS, PackedWeight
 
 # GGUF name -> Hugging Face name for the tensors the tiny file's MIXED_FORMATS names
 HF_NAMES = {

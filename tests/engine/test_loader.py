@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from engine.models import gguf_cache, loader
 from engine.models.loader import Checkpoint, embedded_gguf_path, load_checkpoint
-from engine.models.packed_weight import PackedWeight
+from kernels.packed_weight import PackedWeight
 
 TINY = {
     "hidden_size": 64,

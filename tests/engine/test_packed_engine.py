@@ -14,7 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.cpu_linear import QuantizedEmbedding, QuantizedLinear, packed_weights_available
-from engine.models.packed_weight import PACKED_FORMATS
+from kernels.packed_weight import PACKED_FORMATS
 from tests.helpers.tiny_gguf import write_tiny_gguf
 
 pytestmark = [

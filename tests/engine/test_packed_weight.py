@@ -1,4 +1,4 @@
-"""engine/models/packed_weight.py: picking and stacking rows moves whole rows of blocks, so the
+"""kernels/packed_weight.py: picking and stacking rows moves whole rows of blocks, so the
 result dequantizes to the same rows as the weights it came from, for every packed format."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.packed_weight import PACKED_FORMATS, PackedWeight, block_geometry
+from kernels.packed_weight import PACKED_FORMATS, PackedWeight, block_geometry
 
 # byte offsets of each format's float16 scales within a block
 SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],

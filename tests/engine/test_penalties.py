@@ -11,10 +11,10 @@ import torch
 import engine.sample.sampler as sampler_module
 from engine.request import Request
 from engine.sample.drafting import sample_drafts
-from engine.sample.rejection import RejectionSampler
 from engine.sample.sampler import apply_min_p, process_logits, target_probs
 from engine.sampling_params import SamplingParams
 from engine.step.layout import StepLayout
+from engine.step.rejection import RejectionSampler
 from engine.step.types import ScheduledRequest
 
 EOS = 0

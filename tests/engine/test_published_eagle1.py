@@ -19,9 +19,10 @@ from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
 from engine.models.arch import LlamaArch
+from engine.models.attention import build_attention_metadata
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle_head import EagleHead
-from engine.runner.attention import build_attention_metadata
+from engine.proposers.published_eagle import load_eagle_head
 
 PROMPTS = [[1, 5, 9, 13, 2, 7], [1] + list(range(30, 62)), [1, 60], [1, 11, 12, 13, 14]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -136,7 +137,7 @@ def run_head(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor,
 
 
 def test_the_published_math_is_read_right(head, arch, tmp_path):
-    loaded = EagleHead.load(head, arch, torch.float64, torch.device("cpu"))
+    loaded = load_eagle_head(head, arch, torch.float64, torch.device("cpu"))
     assert isinstance(loaded.layer.input_layernorm, torch.nn.Identity)
     assert (loaded.fc.bias is not None) == ("fc.bias" in saved_tensors(head))
     torch.manual_seed(1)
@@ -149,7 +150,7 @@ def test_the_published_math_is_read_right(head, arch, tmp_path):
                                rtol=1e-5, atol=1e-5)
     # saved again in specserve's own layout, it loads as the same head
     loaded.save(str(tmp_path / "own"))
-    again = EagleHead.load(str(tmp_path / "own"), arch, torch.float64, torch.device("cpu"))
+    again = load_eagle_head(str(tmp_path / "own"), arch, torch.float64, torch.device("cpu"))
     torch.testing.assert_close(run_head(again, embeds, features, arch), h, rtol=0, atol=0)
 
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.sample.rejection as rejection_module
+import engine.step.rejection as rejection_module
 from engine.request import Request
 from engine.sample.drafting import sample_drafts
 from engine.sample.logprobs import compute_logprobs
-from engine.sample.rejection import RejectionSampler
 from engine.sample.sampler import DRAW_BLOCK, draw_tokens, target_probs
 from engine.sampling_params import SamplingParams
 from engine.step.layout import StepLayout
+from engine.step.rejection import RejectionSampler
 from engine.step.types import SampledTokens, ScheduledRequest
 from kernels.rejection_reference import inverse_cdf, to_fixed_point
 from tests.helpers.one_request_law import apply_top_k_top_p, request_q

@@ -12,14 +12,14 @@ import os
 import pytest
 import torch
 
-import engine.sample.rejection as rejection_module
 import engine.sample.sampler as sampler_module
+import engine.step.rejection as rejection_module
 import kernels.rejection_reference as reference_module
 import kernels.tree_rejection as tree_module
 from engine.request import Request
-from engine.sample.rejection import NON_FINITE_LOGITS, RejectionSampler
 from engine.sampling_params import SamplingParams
 from engine.step.layout import StepLayout
+from engine.step.rejection import NON_FINITE_LOGITS, RejectionSampler
 from engine.step.types import SampledTokens, ScheduledRequest
 from tests.helpers.one_request_law import apply_top_k_top_p, request_q
 

@@ -38,8 +38,8 @@ from sampling_law import (
     sample,
 )
 
-import engine.sample.rejection as rejection_module
 import engine.sample.sampler as sampler_module
+import engine.step.rejection as rejection_module
 import kernels.rejection_reference as reference_module
 from kernels import rejection_sample_reference
 

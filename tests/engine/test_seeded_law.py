@@ -23,9 +23,9 @@ from tiers import is_quick
 import engine.sample.metadata as metadata_module
 from engine.request import Request
 from engine.sample.keyed_random import SAMPLE_STREAM
-from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
 from engine.step.layout import StepLayout
+from engine.step.rejection import RejectionSampler
 from engine.step.types import ScheduledRequest
 
 VOCAB = 4

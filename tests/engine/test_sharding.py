@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.models.arch import LlamaArch
-from engine.models.packed_weight import PackedWeight
 from engine.runner.sharding import ShardPlan, even_split, intermediate_unit, shard_weights
+from kernels.packed_weight import PackedWeight
 
 
 def arch(num_heads: int, num_kv_heads: int, **overrides) -> LlamaArch:

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
+from engine.models.attention import build_attention_metadata
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
-from engine.runner.attention import build_attention_metadata
 from engine.runner.static_inputs import StaticStepInputs, StepBucket, seq_buckets
 from tests.helpers.tiny_models import build_tiny_checkpoint
 

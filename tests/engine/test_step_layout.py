@@ -9,10 +9,10 @@ import torch
 
 from engine.config import KVCacheSpec, SchedulerConfig
 from engine.request import Request
-from engine.sample.rejection import RejectionSampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step.layout import DraftProposal, DraftTokens, StepLayout
+from engine.step.rejection import RejectionSampler
 from engine.step.types import SampledTokens, ScheduledRequest
 
 EOS = 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.runner.attention as attention
+import engine.models.attention as attention
 from engine.kv.block_manager import BlockManager
 from engine.models.arch import LlamaArch
 from engine.models.build import allocate_kv_cache, build_model

@@ -365,7 +365,7 @@ def test_bfloat16_rounds_to_nearest_on_the_gpu(compiled: dict[str, dict]) -> Non
 @pytest.mark.slow
 def test_benchmark_smoke_run_covers_every_op() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench_fused_ops", "--smoke"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_fused_ops", "--smoke"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "MEANINGLESS" in proc.stdout
@@ -378,7 +378,7 @@ def test_benchmark_smoke_run_covers_every_op() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_benchmark_without_cuda_or_interpreter_exits_with_2() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench_fused_ops"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_fused_ops"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA device" in proc.stderr

@@ -1,4 +1,4 @@
-"""The C++ CPU paged-attention kernel against the torch reference (engine/runner/attention.py), and its
+"""The C++ CPU paged-attention kernel against the torch reference (engine/models/attention.py), and its
 batch invariance: a sequence's rows come out bit for bit the same whatever else the batch holds,
 however many rows its sequence brings, and with any number of threads."""
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.runner.attention import build_attention_metadata, paged_attention, torch_paged_attention
+from engine.models.attention import build_attention_metadata, paged_attention, torch_paged_attention
 from kernels.paged_attention_cpu import paged_attention_cpu_available
 
 pytestmark = pytest.mark.skipif(not paged_attention_cpu_available(),

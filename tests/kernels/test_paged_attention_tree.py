@@ -1,4 +1,4 @@
-"""Tree rows in paged attention (engine/runner/attention.py's tree_mask): the C++ kernel, the torch
+"""Tree rows in paged attention (engine/models/attention.py's tree_mask): the C++ kernel, the torch
 reference and the Triton kernel (under TRITON_INTERPRET=1) against a float64 reference written from
 the parents alone, with sliding windows shorter than the tree, a 64-row tree, and trees beside
 decode, verification and prefill rows; the C++ kernel keeps a tree's first branch bit for bit the
@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-import engine.runner.attention as attention
-from engine.runner.attention import build_attention_metadata, paged_attention, torch_paged_attention
+import engine.models.attention as attention
+from engine.models.attention import build_attention_metadata, paged_attention, torch_paged_attention
 from kernels.paged_attention_cpu import paged_attention_cpu_available
 
 # NOTE: triton reads this when kernels are decorated, so it is set before the kernel module loads

@@ -15,8 +15,8 @@ import pytest
 import torch
 from sm90_compile import run_compile_script
 
-import engine.runner.attention as attention
-from engine.runner.attention import build_attention_metadata, torch_paged_attention
+import engine.models.attention as attention
+from engine.models.attention import build_attention_metadata, torch_paged_attention
 
 # NOTE: triton reads this when kernels are decorated, so it is set before the kernel module loads
 os.environ["TRITON_INTERPRET"] = "1"

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.packed_weight import PACKED_FORMATS, PackedWeight, block_geometry
+from kernels.packed_weight import PACKED_FORMATS, PackedWeight, block_geometry
 from kernels.quantized_gemm import (
     pack_for_kernel,
     quantized_gemm_available,

@@ -36,7 +36,7 @@ DEADLINE_S = 60.0
 
 def rank_pids(engine: int) -> list[int]:
     """The tensor-parallel rank processes an engine process started."""
-    return child_pids(engine, b"engine.runner.ranks")
+    return child_pids(engine, b"engine.runner.rank_process")
 
 
 @pytest.fixture(scope="module")

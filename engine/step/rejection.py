@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sample.grammar import mask_step_logits
+from engine.sample.grammar import mask_verification_logits
 from engine.sample.logprobs import compute_logprobs
 from engine.sample.sampler import draw_tokens, draw_uniforms, process_logits, target_probs
 from engine.step.layout import StepLayout
@@ -52,8 +52,11 @@ class RejectionSampler:
             return []
         metadata = layout.sampling_metadata
         # NOTE: grammar masks first, on a copy: logprobs come from the raw logits
-        masked = process_logits(mask_step_logits(logits, layout), metadata,
-                                layout.draft_token_ids)  # [num_rows, vocab]
+        masked = process_logits(
+            mask_verification_logits(logits, [item.request for item in layout.sampling],
+                                     [item.draft_token_ids for item in layout.sampling],
+                                     layout.logits_starts),
+            metadata, layout.draft_token_ids)  # [num_rows, vocab]
         # [num_rows] NaN or +inf among the raw logits (amax propagates NaN)
         is_broken_row = ~(logits.amax(dim=-1) < float("inf"))
         # greedy's token, and the token of a random row of p without mass (never token 0). NOTE: on

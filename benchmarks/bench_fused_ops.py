@@ -1,10 +1,10 @@
-"""Triton fused decoder ops vs the torch ops they replace: `python -m kernels.bench_fused_ops`.
+"""Triton fused decoder ops vs the torch ops they replace: `python -m benchmarks.bench_fused_ops`.
 
 On CUDA: decode (T = 1, 8, 64) and prefill (T = 2048) shapes of SmolLM2-135M and Llama-3.1-8B in
 bfloat16, median of CUDA-event timings, each call queued behind an L2 flush: GPU time with a cold
 cache, the CPU's launch cost hidden (as under CUDA graphs). GB/s is the Triton kernel's floor of
 bytes (each input read once, each output written once) over its time. Without CUDA,
-`TRITON_INTERPRET=1 python -m kernels.bench_fused_ops --smoke` runs tiny shapes under the
+`TRITON_INTERPRET=1 python -m benchmarks.bench_fused_ops --smoke` runs tiny shapes under the
 interpreter only to show the script works: those timings measure Python, not a GPU.
 """
 
@@ -157,7 +157,7 @@ def main() -> int:
     is_interpreter = os.environ.get("TRITON_INTERPRET") == "1"
     if not is_cuda and not (is_interpreter and args.smoke):
         print("bench_fused_ops: no CUDA device; to check the script on the CPU run "
-              "`TRITON_INTERPRET=1 python -m kernels.bench_fused_ops --smoke`", file=sys.stderr)
+              "`TRITON_INTERPRET=1 python -m benchmarks.bench_fused_ops --smoke`", file=sys.stderr)
         return 2
     from kernels import fused_ops_triton  # NOTE: after the check: imports triton
 
