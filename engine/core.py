@@ -6,13 +6,11 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import torch
-
 from engine.adaptive import AdaptiveSpeculation
 from engine.adaptive.calibration import calibrate_verify_cost
 from engine.adaptive.calibration_cache import engine_fields
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.failures import run_isolated
+from engine.drafting import DraftChoice, Drafting
 from engine.messages import StepStats
 from engine.models.loader import embedded_gguf_path
 from engine.proposers import Proposer, build_proposer
@@ -21,16 +19,11 @@ from engine.runner.worker import Worker
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.spec_config import SpeculativeConfig
-from engine.step.drafting import cut_drafts_at_grammar
-from engine.step.isolation import propose_isolated, sample_isolated
-from engine.step.layout import DraftProposal, DraftTokens, StepLayout
+from engine.step.isolation import sample_isolated
 from engine.step.rejection import RejectionSampler
 from engine.step.scheduler_output import SchedulerOutput
 from engine.step.types import RequestUpdate, SampledTokens, ScheduledRequest, StepResult
 from engine.structured import CompiledGrammar, GrammarCompiler, GrammarState
-
-# the proposers that read the target's embedding and LM head (the draft model has its own)
-VOCAB_READING_METHODS = ("eagle", "eagle3", "mlp_speculator")
 
 
 @dataclass
@@ -43,14 +36,6 @@ class EngineTotals:
     draft_seconds: float = 0.0
 
 
-@dataclass
-class DraftChoice:
-    """The k chosen for one decoding request when drafting for the next step."""
-
-    request: Request
-    k: int
-
-
 class EngineCore:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig,
@@ -58,24 +43,23 @@ class EngineCore:
                  parallel_config: ParallelConfig | None = None) -> None:
         self.worker = Worker(model_config, cache_config, parallel_config,
                              drafters_read_vocab=speculative_config is not None
-                             and speculative_config.method in VOCAB_READING_METHODS)
+                             and speculative_config.facts.reads_target_vocab)
         self.scheduler = Scheduler(scheduler_config, self.worker.kv_spec, self.worker.device,
                                    self.worker.block_manager)
         self.sampler = RejectionSampler()
         self.speculative_config = speculative_config
-        self.proposer: Proposer | None = (
-            None if speculative_config is None
-            else build_proposer(speculative_config, self.worker.target_handle()))
-        if self.proposer is not None and self.proposer.target_feature_layers:
-            self.worker.capture_aux_hidden(self.proposer.target_feature_layers)
+        proposer = (None if speculative_config is None
+                    else build_proposer(speculative_config, self.worker.target_handle()))
+        if proposer is not None and proposer.target_feature_layers:
+            self.worker.capture_aux_hidden(proposer.target_feature_layers)
         # NOTE: after the features are chosen (a graph records them), before calibration (which
         # then times the steps as they will run)
         self.worker.capture_step_graphs(scheduler_config.max_num_seqs,
                                         _chain_draft_len(speculative_config))
         self.adaptive: AdaptiveSpeculation | None = None
         if speculative_config is not None and speculative_config.adaptive:
-            self.adaptive = AdaptiveSpeculation(has_soft_drafts=not self.proposer.drafts_for_free,
-                                                drafts_first=self.proposer.drafts_for_free)
+            self.adaptive = AdaptiveSpeculation(has_soft_drafts=not proposer.drafts_for_free,
+                                                drafts_first=proposer.drafts_for_free)
             calibrate_verify_cost(self.adaptive.cost, self.worker, self.scheduler.block_manager,
                                   self.sampler, min(scheduler_config.max_num_batched_tokens,
                                                     self.worker.kv_spec.max_model_len),
@@ -83,11 +67,24 @@ class EngineCore:
                                       model_config, cache_config, parallel_config,
                                       model_config.model or embedded_gguf_path(),
                                       self.worker.linear_backend,
-                                      self.proposer.target_feature_layers, self.worker.device))
+                                      proposer.target_feature_layers, self.worker.device))
+        self.drafting: Drafting | None = (
+            None if proposer is None
+            else Drafting(proposer, speculative_config.num_speculative_tokens, self.scheduler,
+                          self.adaptive))
         self.eos_token_ids = frozenset(self.worker.arch.eos_token_ids)
         # response_format grammars for this tokenizer, built at the first request that has one
         self._grammar_compiler: GrammarCompiler | None = None
         self.totals = EngineTotals()
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The drafting phase's proposer (tests and benchmarks may put another in its place)."""
+        return None if self.drafting is None else self.drafting.proposer
+
+    @proposer.setter
+    def proposer(self, proposer: Proposer) -> None:
+        self.drafting.proposer = proposer
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, grammar: CompiledGrammar | None = None) -> None:
@@ -156,97 +153,18 @@ class EngineCore:
         if scheduled.layout.draft_parents is not None:
             self.worker.keep_accepted_paths(scheduled, sampled)
         target_pass_seconds = time.perf_counter() - pass_start
-        failures: dict[str, str] = {}
-        if self.proposer is not None and self.proposer.needs_committed_hidden:
-            failures = self._record_target_hidden(scheduled, sampled, out.token_hidden)
+        drafting = self.drafting
+        failures = ({} if drafting is None
+                    else drafting.record_target_hidden(scheduled, sampled, out.token_hidden))
         updates = self.scheduler.commit(scheduled, sampled)
         self._fail_after_commit(updates, failures)
         verified = time.perf_counter()
-        choices, failures = self._propose_drafts(scheduled.layout, sampled, out.hidden)
+        choices, failures = (([], {}) if drafting is None
+                             else drafting.propose(scheduled.layout, sampled, out.hidden))
         self._fail_after_commit(updates, failures)
         self._account(scheduled, sampled, choices, start, verified, updates, target_pass_seconds)
         return StepResult(updates, self._step_stats(scheduled.sampling, sampled, choices, updates,
                                                     num_prompt_tokens, start, verified))
-
-    def _record_target_hidden(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
-                              token_hidden: torch.Tensor) -> dict[str, str]:
-        """Before commit: each request's rows of committed tokens (a prefill chunk whole; of a
-        verification, the known token and the accepted drafts), from the position they start at.
-        Returns {request_id: why} for the requests whose recording raised (each then fails alone)."""
-        failures: dict[str, str] = {}
-        kept_tokens = iter(sampled)
-        for item, row in zip(scheduled.scheduled, scheduled.layout.token_starts):
-            num_known = item.num_known_tokens
-            rows = token_hidden[row:row + num_known]
-            if item.is_sampling:
-                kept = next(kept_tokens)
-                if kept.error is not None:
-                    continue
-                accepted = kept.kept_drafts
-                if item.draft_parents is None:
-                    rows = token_hidden[row:row + num_known + len(accepted)]
-                elif accepted:  # a tree's accepted path: rows after the known ones, not in a run
-                    path = [row + num_known + draft for draft in accepted]
-                    rows = torch.cat([rows, token_hidden[torch.tensor(path,
-                                                                      device=rows.device)]])
-            error = run_isolated(lambda: self.proposer.record_target_hidden(
-                item.request, item.request.num_computed_tokens, rows,
-                self.scheduler.block_manager.block_table(item.request.request_id)),
-                item.request.request_id, "recording the target's features")
-            if error is not None:
-                failures[item.request.request_id] = error
-        return failures
-
-    def _propose_drafts(self, layout: StepLayout, sampled: list[SampledTokens],
-                        hidden: torch.Tensor) -> tuple[list[DraftChoice], dict[str, str]]:
-        """Drafts for the NEXT step, from the tokens just committed (so the scheduler can budget them);
-        returns the k chosen for each request drafted for.
-
-        Only requests that sampled this step get new drafts: the others' tokens did not change, so
-        their pending drafts still stand. Each gets the target's hidden state at the row that
-        produced its newest token (of a chain, row a of its 1 + k rows after a accepted drafts; of
-        a tree, the row after the last draft on its accepted path). Also returns {request_id: why}
-        for the requests whose drafting raised on their own (they fail alone).
-        """
-        if self.proposer is None:
-            return [], {}
-        row_of = {item.request.request_id: layout.kept_rows(index, kept.kept_drafts)[-1]
-                  for index, (item, kept) in enumerate(zip(layout.sampling, sampled))}
-        requests = [r for r in self.scheduler.decoding if r.request_id in row_of]
-        if not requests:
-            return [], {}
-        k = self.speculative_config.num_speculative_tokens
-        caps = [self.scheduler.draft_budget(r, k) for r in requests]
-        target_hidden = hidden[torch.tensor([row_of[r.request_id] for r in requests],
-                                            device=hidden.device)]
-        if self.adaptive is None:
-            proposals, failures = self._propose(requests, caps, target_hidden)
-        elif self.proposer.drafts_for_free:
-            # draft first: the policy then weighs the drafts that exist, and trims them
-            proposals, failures = self._propose(requests, caps, target_hidden)
-            caps = self._choose_ks(requests, [len(p.token_ids) for p in proposals],
-                                   [p.parents for p in proposals])
-            proposals = [self.adaptive.keep_best(r.request_id, p, cap)
-                         for r, p, cap in zip(requests, proposals, caps)]
-        else:
-            caps = self._choose_ks(requests, caps)
-            proposals, failures = self._propose(requests, caps, target_hidden)
-        self.scheduler.update_draft_token_ids(
-            DraftTokens({r.request_id: p for r, p in zip(requests, proposals)}))
-        return [DraftChoice(r, cap) for r, cap in zip(requests, caps)], failures
-
-    def _propose(self, requests: list[Request], caps: list[int], target_hidden: torch.Tensor,
-                 ) -> tuple[list[DraftProposal], dict[str, str]]:
-        """Drafts, and {request_id: why} for the requests whose drafting raised on their own."""
-        return propose_isolated(self._propose_batch, requests, caps, target_hidden)
-
-    def _propose_batch(self, requests: list[Request], caps: list[int],
-                       target_hidden: torch.Tensor) -> list[DraftProposal]:
-        """The proposer's drafts, each cut where its request's grammar (if any) rejects it."""
-        proposals = self.proposer.propose(requests, caps, target_hidden)
-        if any(r.grammar is not None for r in requests):
-            proposals = cut_drafts_at_grammar(requests, proposals)
-        return proposals
 
     def _fail_after_commit(self, updates: list[RequestUpdate], failures: dict[str, str]) -> None:
         """End the requests that failed after their tokens were committed: each keeps the tokens
@@ -265,12 +183,6 @@ class EngineCore:
                 update.finish_reason, update.stop_reason = ended.finish_reason, None
                 update.error, update.spec_stats = error, ended.spec_stats
                 update.num_cached_tokens = ended.num_cached_tokens
-
-    def _choose_ks(self, requests: list[Request], caps: list[int],
-                   trees: list[list[int] | None] | None = None) -> list[int]:
-        return self.adaptive.choose(requests, caps,
-                                    self.scheduler.num_prefill_tokens_next_step(len(requests)),
-                                    trees)
 
     def _account(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
                  choices: list[DraftChoice], start: float, verified: float,
@@ -327,12 +239,8 @@ class EngineCore:
 
     def _free_request_state(self, updates: list[RequestUpdate]) -> None:
         for update in updates:
-            if update.finish_reason is not None:
-                if self.proposer is not None:
-                    run_isolated(lambda: self.proposer.free(update.request_id), update.request_id,
-                                 "freeing its drafter state")
-                if self.adaptive is not None:
-                    self.adaptive.free(update.request_id)
+            if update.finish_reason is not None and self.drafting is not None:
+                self.drafting.free(update.request_id)
 
 
 def _chain_draft_len(speculative_config: SpeculativeConfig | None) -> int:

@@ -27,7 +27,6 @@ from engine.messages import (
     decode,
     encode,
 )
-from engine.sampling_params import SamplingParams
 from engine.step.types import RequestUpdate
 from engine.structured.compile_pool import GrammarCompilePool
 from engine.structured.compiler import CompiledGrammar
@@ -123,7 +122,7 @@ class EngineLoop:
     def _handle(self, message: object) -> bool:
         """Apply one message from the server; False means shut down."""
         if isinstance(message, AddRequest):
-            response_format = message.params.get("response_format")
+            response_format = message.params.response_format
             if isinstance(response_format, str):  # NOTE: compiled off this loop, added when done
                 self.grammars.submit(message.request_id, response_format, message)
             else:
@@ -147,7 +146,7 @@ class EngineLoop:
             return
         try:
             self.core.add_request(message.request_id, message.prompt_token_ids,
-                                  SamplingParams(**message.params), message.cache_salt,
+                                  message.params, message.cache_salt,
                                   grammar=grammar)
         except (ValueError, TypeError) as error:
             self._send(RequestRejected(message.request_id, str(error)))
@@ -163,7 +162,7 @@ def _delta(update: RequestUpdate) -> TokenDelta:
         new_logprobs=update.new_logprobs,
         finish_reason=None if update.finish_reason is None else update.finish_reason.value,
         stop_reason=update.stop_reason,
-        spec_stats=None if update.spec_stats is None else update.spec_stats.as_dict(),
+        spec_stats=update.spec_stats,
         num_cached_tokens=update.num_cached_tokens,
         error=update.error,
     )

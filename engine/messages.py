@@ -1,5 +1,7 @@
-"""What the HTTP process and the engine process say to each other: plain dataclasses of msgpack-safe
-fields (str, int, float, bool, None, lists and dicts of them), packed with their type name.
+"""What the HTTP process and the engine process say to each other: dataclasses, each crossing the
+queue as itself (msgpack, every dataclass of WIRE_TYPES tagged with its name, at any depth).
+A request's SamplingParams is validated once, where the server builds it, and arrives as the same
+object; a request's SpecStats arrives with every count.
 
 server -> engine: AddRequest, AbortRequests, Shutdown.
 engine -> server: EngineReady once, then EngineOutputs per step (token deltas + step stats),
@@ -15,6 +17,8 @@ from typing import Any
 import msgpack
 
 from engine.request import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.spec_stats import SpecStats
 
 
 # ---------------------------------------------------------------- server -> engine
@@ -22,8 +26,8 @@ from engine.request import TokenLogprobs
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
-    # SamplingParams fields (engine/sampling_params.py), validated again by the engine
-    params: dict[str, Any]
+    # validated where the server built it; not again
+    params: SamplingParams
     # tenant isolation key (engine/request.py Request.cache_salt); None belongs to no tenant
     cache_salt: str | None = None
 
@@ -66,8 +70,8 @@ class TokenDelta:
     finish_reason: str | None = None
     # the stop token id that ended it, if one did
     stop_reason: int | None = None
-    # SpecStats.as_dict() on the last delta
-    spec_stats: dict[str, Any] | None = None
+    # on the last delta
+    spec_stats: SpecStats | None = None
     # prompt tokens found in the prefix cache, on the last delta
     num_cached_tokens: int = 0
     # with finish_reason "error": why the engine ended this request (the others went on)
@@ -128,27 +132,52 @@ class EngineFailed:
     message: str
 
 
-MESSAGE_TYPES = {cls.__name__: cls for cls in (
+# every dataclass that crosses the queue, messages and the values inside them, by name
+WIRE_TYPES = {cls.__name__: cls for cls in (
     AddRequest, AbortRequests, Shutdown, EngineReady, TokenDelta, StepStats, EngineOutputs,
-    RequestRejected, EngineFailed)}
+    RequestRejected, EngineFailed, SamplingParams, SpecStats, TokenLogprobs)}
+_DATACLASS_EXT = 1  # the msgpack extension type of a tagged dataclass
 
 
 def encode(message: Any) -> bytes:
-    return msgpack.packb([type(message).__name__, dataclasses.asdict(message)], use_bin_type=True)
+    return msgpack.packb(message, default=_to_wire, use_bin_type=True)
 
 
 def decode(data: bytes) -> Any:
-    name, fields = msgpack.unpackb(data, raw=False, strict_map_key=False)
-    if name == "EngineOutputs":
-        stats = fields["stats"]
-        return EngineOutputs([_token_delta(d) for d in fields["deltas"]],
-                             None if stats is None else StepStats(**stats))
-    return MESSAGE_TYPES[name](**fields)
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_from_wire)
 
 
-def _token_delta(fields: dict[str, Any]) -> TokenDelta:
-    logprobs = fields.pop("new_logprobs")
-    if logprobs is not None:
-        logprobs = [TokenLogprobs(lp["token_id"], lp["logprob"], lp["rank"],
-                                  [tuple(top) for top in lp["top"]]) for lp in logprobs]
-    return TokenDelta(**fields, new_logprobs=logprobs)
+def _to_wire(value: Any) -> msgpack.ExtType:
+    name = type(value).__name__
+    if WIRE_TYPES.get(name) is not type(value):
+        raise TypeError(f"a {name} cannot cross the engine queue")
+    values = [getattr(value, f.name) for f in dataclasses.fields(value)]
+    return msgpack.ExtType(_DATACLASS_EXT, msgpack.packb([name, values], default=_to_wire,
+                                                         use_bin_type=True))
+
+
+def _from_wire(code: int, data: bytes) -> Any:
+    """The dataclass as it was sent: its fields set as they were, without __init__ or
+    __post_init__ (the sender's object was built, and validated, already); msgpack's lists
+    become tuples again where the field is a tuple."""
+    if code != _DATACLASS_EXT:
+        return msgpack.ExtType(code, data)
+    name, values = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_from_wire)
+    cls = WIRE_TYPES[name]
+    obj = object.__new__(cls)
+    for f, value in zip(dataclasses.fields(cls), values, strict=True):
+        object.__setattr__(obj, f.name, _as_declared(value, str(f.type)))
+    return obj
+
+
+def _as_declared(value: Any, declared: str) -> Any:
+    """Lists back to tuples where the annotation says tuple (at the top or inside a list)."""
+    if isinstance(value, list) and declared.startswith("tuple"):
+        return _tuples(value)
+    if isinstance(value, list) and declared.startswith("list[tuple"):
+        return [_tuples(item) for item in value]
+    return value
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value

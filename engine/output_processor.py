@@ -48,7 +48,7 @@ class CompletionTracker:
         self.finish_reason: str | None = None
         # the stop token id or stop string that ended it, if one did
         self.stop_reason: int | str | None = None
-        self.spec_stats: SpecStats | dict | None = None
+        self.spec_stats: SpecStats | None = None
         # prompt tokens whose K/V the prefix cache held (known once it finishes)
         self.num_cached_tokens = 0
         # True when a stop string ended it here: the engine does not know and must be told to abort
@@ -67,7 +67,7 @@ class CompletionTracker:
 
     def apply(self, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None,
               finish_reason: str | None, stop_reason: int | None,
-              spec_stats: SpecStats | dict | None = None, num_cached_tokens: int = 0) -> bool:
+              spec_stats: SpecStats | None = None, num_cached_tokens: int = 0) -> bool:
         """Fold in one engine delta; True when this completion has just finished."""
         if spec_stats is not None:
             self.spec_stats = spec_stats

@@ -25,7 +25,33 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mlp_speculator", "suffix")
+
+@dataclass(frozen=True)
+class MethodFacts:
+    """What the engine knows of a proposal method before building its proposer
+    (engine/proposers/__init__.py builds it): a new method is one entry of METHODS."""
+
+    # what its "model" must be, or "" when it needs none
+    needs_model: str = ""
+    # it drafts trees (several guesses at once, verified in one pass) when told `draft_tree`
+    drafts_trees: bool = False
+    # it reads the target's embedding and LM head (under tensor parallelism the engine keeps them
+    # whole for it; the draft model has its own)
+    reads_target_vocab: bool = False
+
+
+_TRAINED_HEAD = "a folder written by `specserve train-speculator --method {method}`, or one " \
+    "published for the target"
+METHODS = {
+    "ngram": MethodFacts(drafts_trees=True),
+    "draft_model": MethodFacts(needs_model="a local folder or .gguf file of a smaller model with "
+                                           "the same tokenizer"),
+    "eagle": MethodFacts(needs_model=_TRAINED_HEAD, drafts_trees=True, reads_target_vocab=True),
+    "eagle3": MethodFacts(needs_model="an EAGLE-3 head folder (the EAGLE authors' layout or vLLM "
+                                      "speculators')", drafts_trees=True, reads_target_vocab=True),
+    "mlp_speculator": MethodFacts(needs_model=_TRAINED_HEAD, reads_target_vocab=True),
+    "suffix": MethodFacts(drafts_trees=True),
+}
 # what `specserve serve` speculates with unless told otherwise ("none" turns it off): suffix drafts
 # cost nothing and need no second model, and adaptive k backs off where drafts do not pay (a busy
 # batch, text it cannot guess), so it is never much slower than plain decoding (docs/perf.md)
@@ -33,8 +59,7 @@ DEFAULT_SERVE_SPECULATIVE_CONFIG = '{"method": "suffix", "num_speculative_tokens
 MAX_SPECULATIVE_TOKENS = 16
 # a draft tree's node budget may go further: its rows spread over branches, not depth
 MAX_TREE_DRAFT_TOKENS = 32
-# the methods that draft trees (several guesses at once, verified in one pass)
-TREE_METHODS = ("ngram", "suffix", "eagle", "eagle3")
+TREE_METHODS = tuple(method for method, facts in METHODS.items() if facts.drafts_trees)
 # suffix trees cost O(depth) per committed token in Python: deeper buys little and costs every step
 MAX_SUFFIX_DEPTH = 64
 # who drafts from whose finished outputs: requests of one tenant (same cache_salt), or everybody
@@ -86,16 +111,10 @@ class SpeculativeConfig:
         if self.draft_tree and self.method not in TREE_METHODS:
             raise ValueError(f"draft_tree is built for {', '.join(TREE_METHODS)}; "
                              f"{self.method!r} drafts a chain")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError('speculative method "draft_model" needs "model": a local folder or '
-                             '.gguf file of a smaller model with the same tokenizer')
-        if self.method in ("mlp_speculator", "eagle") and not self.model:
-            raise ValueError(f'speculative method "{self.method}" needs "model": a folder written '
-                             f'by `specserve train-speculator --method {self.method}`, or one '
-                             f'published for the target')
-        if self.method == "eagle3" and not self.model:
-            raise ValueError('speculative method "eagle3" needs "model": an EAGLE-3 head folder '
-                             '(the EAGLE authors\' layout or vLLM speculators\')')
+        needs_model = self.facts.needs_model
+        if needs_model and not self.model:
+            raise ValueError(f'speculative method "{self.method}" needs "model": '
+                             f'{needs_model.format(method=self.method)}')
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -103,6 +122,10 @@ class SpeculativeConfig:
             raise ValueError(f"draft_tensor_parallel_size must be 1 (drafters run unsharded on "
                              f"rank 0), got {self.draft_tensor_parallel_size!r}")
         self._check_suffix_settings()
+
+    @property
+    def facts(self) -> MethodFacts:
+        return METHODS[self.method]
 
     def _check_suffix_settings(self) -> None:
         if not 2 <= self.suffix_max_depth <= MAX_SUFFIX_DEPTH:

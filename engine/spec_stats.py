@@ -2,12 +2,14 @@
 
 Names follow the vocabulary of kernels/rejection_reference.py: k drafts proposed, of which the
 accepted ones form a prefix; each verification emits accepted + 1 tokens (the +1 is the recovered or
-bonus token). α = accepted / proposed; τ (mean acceptance length) = emitted tokens / target passes.
+bonus token). α = accepted / proposed; τ (mean acceptance length) = 1 + accepted / verification
+steps, vLLM's definition: what a step that verified drafts emitted on average, the bonus token
+included. One definition everywhere: the HTTP response, the offline LLM, the CLI, the load tests.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -52,11 +54,11 @@ class SpecStats:
         return self.num_accepted_draft_tokens / self.num_draft_tokens
 
     @property
-    def mean_acceptance_length(self) -> float | None:
-        """τ: tokens emitted per target pass, including the recovered or bonus token."""
-        if not self.num_target_passes:
-            return None
-        return self.num_emitted_tokens / self.num_target_passes
+    def mean_acceptance_length(self) -> float:
+        """τ = 1 + accepted / verification steps (1.0 before any step verified a draft)."""
+        if not self.num_spec_steps:
+            return 1.0
+        return 1.0 + self.num_accepted_draft_tokens / self.num_spec_steps
 
     @classmethod
     def merged(cls, parts: list[SpecStats]) -> SpecStats:
@@ -74,18 +76,14 @@ class SpecStats:
                     mine[i] += count
         return total
 
-    @classmethod
-    def from_dict(cls, data: dict) -> SpecStats:
-        """Back from as_dict() (the form that crosses the engine queue); derived rates are dropped."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{name: value for name, value in data.items() if name in names})
-
     def as_dict(self) -> dict:
         """vLLM's per-request names, as the HTTP response's `metrics.speculative_decoding` carries them."""
         return {
             "num_spec_steps": self.num_spec_steps,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "num_target_passes": self.num_target_passes,
+            "num_emitted_tokens": self.num_emitted_tokens,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_histogram": list(self.acceptance_histogram),

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -101,14 +100,11 @@ class SpeculativeDecodingMetrics(BaseModel):
 
     @classmethod
     def from_spec_stats(cls, stats: SpecStats, num_spec_tokens: int) -> SpeculativeDecodingMetrics:
-        steps, accepted = stats.num_spec_steps, stats.num_accepted_draft_tokens
         histogram = list(stats.acceptance_histogram)
         histogram += [0] * (num_spec_tokens + 1 - len(histogram))
         return cls.model_validate({
             **stats.as_dict(),
-            "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
-            "draft_acceptance_rate": accepted / stats.num_draft_tokens if stats.num_draft_tokens
-            else 0.0,
+            "draft_acceptance_rate": stats.draft_acceptance_rate or 0.0,
             "acceptance_histogram": histogram,
             "num_spec_tokens": num_spec_tokens,
         })
@@ -120,11 +116,7 @@ class ResponseMetrics(BaseModel):
     speculative_decoding: SpeculativeDecodingMetrics
 
     @classmethod
-    def from_spec_stats(cls, stats: SpecStats | Mapping[str, Any],
-                        num_spec_tokens: int) -> ResponseMetrics:
-        """Takes SpecStats or its as_dict(), the form that crosses the engine queue."""
-        if not isinstance(stats, SpecStats):
-            stats = SpecStats.from_dict(dict(stats))
+    def from_spec_stats(cls, stats: SpecStats, num_spec_tokens: int) -> ResponseMetrics:
         return cls(speculative_decoding=SpeculativeDecodingMetrics.from_spec_stats(
             stats, num_spec_tokens))
 

@@ -161,8 +161,7 @@ class EngineClient:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in flight")
         try:
-            message = encode(AddRequest(request_id, list(prompt_token_ids),
-                                        dataclasses.asdict(params), cache_salt))
+            message = encode(AddRequest(request_id, list(prompt_token_ids), params, cache_salt))
         except (OverflowError, TypeError, ValueError) as error:  # e.g. an integer beyond 64 bits
             raise RequestRejectedError(f"the request cannot be sent to the engine: {error}") from None
         queue: asyncio.Queue[TokenDelta | Exception] = asyncio.Queue()

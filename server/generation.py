@@ -208,7 +208,7 @@ class Generation:
 
     def spec_stats(self) -> SpecStats:
         """Speculation over every choice (zero drafts when speculation is off)."""
-        return SpecStats.merged([SpecStats.from_dict(c.tracker.spec_stats)
+        return SpecStats.merged([c.tracker.spec_stats
                                  for c in self.choices if c.tracker.spec_stats is not None])
 
     # ------------------------------------------------------------------ internals

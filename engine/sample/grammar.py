@@ -5,7 +5,7 @@ Row j of a request's 1 + k rows gets the grammar's mask after the committed outp
 exactly the mask one-token-at-a-time decoding would use there (engine/structured/grammar_state.py);
 a drafting pass's row gets the mask the target's row will get after the same drafts.
 
-Where a draft is cut (engine/step/drafting.py) keeps sampling lossless. A deterministic draft (n-gram, suffix, or any draft of
+Where a draft is cut (engine/drafting.py) keeps sampling lossless. A deterministic draft (n-gram, suffix, or any draft of
 a greedy request) is cut before its first rejected token: the draft is a function of the context,
 so cutting it cannot bias anything. A SAMPLED draft x ~ q is cut after its first rejected token,
 which stays in the block: the mask gives it p(x) = 0, so the rejection sampler rejects it for sure

@@ -16,13 +16,13 @@ import transformers
 from tiny_chat_model import build_tiny_chat_checkpoint
 
 from engine import LLM, SamplingParams
+from engine.drafting import cut_drafts_at_grammar
 from engine.models.arch import LlamaArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from engine.request import Request
-from engine.step.drafting import cut_drafts_at_grammar
 from engine.step.layout import DraftProposal
 from engine.structured import GrammarCompiler, UnsupportedSchemaError, parse_response_format
 from kernels.rejection_reference import rejection_sample as rejection_sample_reference

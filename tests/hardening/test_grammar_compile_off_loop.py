@@ -22,6 +22,7 @@ from engine.messages import (
     decode,
     encode,
 )
+from engine.sampling_params import SamplingParams
 from engine.step.types import StepResult
 from engine.structured import UnsupportedSchemaError
 
@@ -94,9 +95,8 @@ class Sockets:
 
 
 def add(request_id: str, response_format: str | None) -> bytes:
-    params = {"max_tokens": 4} if response_format is None else {"max_tokens": 4,
-                                                                  "response_format": response_format}
-    return encode(AddRequest(request_id, [1, 2, 3], params))
+    return encode(AddRequest(request_id, [1, 2, 3],
+                             SamplingParams(max_tokens=4, response_format=response_format)))
 
 
 def wait_until(condition, timeout: float = 10.0) -> None:

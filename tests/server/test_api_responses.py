@@ -156,7 +156,7 @@ def test_a_request_without_speculative_steps_reads_as_nothing_accepted() -> None
 def test_metrics_carry_every_spec_stats_key() -> None:
     stats = SpecStats()
     stats.observe(num_draft_tokens=4, num_accepted=1, num_emitted=2)
-    dumped = ResponseMetrics.from_spec_stats(stats.as_dict(), num_spec_tokens=4).model_dump()
+    dumped = ResponseMetrics.from_spec_stats(stats, num_spec_tokens=4).model_dump()
     assert set(stats.as_dict()) <= set(dumped["speculative_decoding"])
     assert dumped["speculative_decoding"]["verify_seconds"] == stats.verify_seconds
     assert dumped["speculative_decoding"]["accepted_per_position"] == [1, 0, 0, 0]

@@ -51,7 +51,7 @@ def test_requests_stream_back_with_stats(tiny_llama):
         for deltas in results:
             assert sum(len(d.new_token_ids) for d in deltas) == 8
             assert deltas[-1].finish_reason == "length"
-            assert deltas[-1].spec_stats["num_draft_tokens"] >= 0
+            assert deltas[-1].spec_stats.num_draft_tokens >= 0
         token_ids = [[t for d in deltas for t in d.new_token_ids] for deltas in results]
         assert token_ids[0] == token_ids[1] == token_ids[2]
         assert sum(s.num_generation_tokens for s in stats) == 24
