@@ -11,7 +11,6 @@ from engine.adaptive.calibration import calibrate_verify_cost
 from engine.adaptive.calibration_cache import engine_fields
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.drafting import DraftChoice, Drafting
-from engine.messages import StepStats
 from engine.models.loader import embedded_gguf_path
 from engine.proposers import Proposer, build_proposer
 from engine.request import Request
@@ -22,7 +21,13 @@ from engine.spec_config import SpeculativeConfig
 from engine.step.isolation import sample_isolated
 from engine.step.rejection import RejectionSampler
 from engine.step.scheduler_output import SchedulerOutput
-from engine.step.types import RequestUpdate, SampledTokens, ScheduledRequest, StepResult
+from engine.step.types import (
+    RequestUpdate,
+    SampledTokens,
+    ScheduledRequest,
+    StepResult,
+    StepStats,
+)
 from engine.structured import CompiledGrammar, GrammarCompiler, GrammarState
 
 

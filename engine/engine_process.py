@@ -23,11 +23,9 @@ from engine.messages import (
     EngineReady,
     RequestRejected,
     Shutdown,
-    TokenDelta,
     decode,
     encode,
 )
-from engine.step.types import RequestUpdate
 from engine.structured.compile_pool import GrammarCompilePool
 from engine.structured.compiler import CompiledGrammar
 
@@ -116,7 +114,7 @@ class EngineLoop:
                 self._add(message, grammar)
             if self.core.has_unfinished:
                 result = self.core.step()
-                self._send(EngineOutputs([_delta(u) for u in result.updates],
+                self._send(EngineOutputs(result.updates,
                                          result.stats or self.core.gauge_snapshot()))
 
     def _handle(self, message: object) -> bool:
@@ -131,7 +129,7 @@ class EngineLoop:
             self.grammars.cancel(message.request_ids)
             updates = self.core.abort(message.request_ids)
             if updates:
-                self._send(EngineOutputs([_delta(u) for u in updates], self.core.gauge_snapshot()))
+                self._send(EngineOutputs(updates, self.core.gauge_snapshot()))
         elif isinstance(message, Shutdown):
             return False
         else:
@@ -155,15 +153,4 @@ class EngineLoop:
         self.outbox.send(encode(message))
 
 
-def _delta(update: RequestUpdate) -> TokenDelta:
-    return TokenDelta(
-        request_id=update.request_id,
-        new_token_ids=update.new_token_ids,
-        new_logprobs=update.new_logprobs,
-        finish_reason=None if update.finish_reason is None else update.finish_reason.value,
-        stop_reason=update.stop_reason,
-        spec_stats=update.spec_stats,
-        num_cached_tokens=update.num_cached_tokens,
-        error=update.error,
-    )
 

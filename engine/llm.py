@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -13,7 +12,7 @@ from engine.core import EngineCore
 from engine.engine_args import EngineArgs
 from engine.output_processor import CompletionTracker
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams, child_seed
+from engine.sampling_params import SamplingParams
 from engine.spec_config import SpeculativeConfig
 from engine.spec_stats import SpecStats
 from engine.step.types import RequestUpdate
@@ -90,7 +89,7 @@ class LLM:
                 results.append(result)
                 for index in range(params.n):
                     child_id = f"{result.request_id}-{index}"
-                    child_params = self._child_params(params, index)
+                    child_params = params.for_completion(index)
                     self.engine.add_request(child_id, token_ids, child_params,
                                             _cache_salt(prompt))
                     completion = CompletionOutput(index, "", [],
@@ -120,9 +119,7 @@ class LLM:
                trackers: dict[str, tuple[CompletionOutput, CompletionTracker]]) -> bool:
         """Fold one engine update into its completion; True when that completion just finished."""
         completion, tracker = trackers[update.request_id]
-        finished = tracker.apply(update.new_token_ids, update.new_logprobs,
-                                 None if update.finish_reason is None else update.finish_reason.value,
-                                 update.stop_reason, update.spec_stats, update.num_cached_tokens)
+        finished = tracker.apply(update)
         if tracker.needs_abort:
             tracker.needs_abort = False
             self.engine.abort([update.request_id])
@@ -133,11 +130,6 @@ class LLM:
         completion.spec_stats = tracker.spec_stats
         completion.error = completion.error or update.error
         return finished
-
-    @staticmethod
-    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-        """Each of n completions is its own request; seeded ones get seeds of their own."""
-        return dataclasses.replace(params, n=1, seed=child_seed(params.seed, index))
 
     @staticmethod
     def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,

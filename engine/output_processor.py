@@ -18,6 +18,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.request import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
+from engine.step.types import RequestUpdate
 
 
 @dataclass
@@ -65,13 +66,15 @@ class CompletionTracker:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def apply(self, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None,
-              finish_reason: str | None, stop_reason: int | None,
-              spec_stats: SpecStats | None = None, num_cached_tokens: int = 0) -> bool:
-        """Fold in one engine delta; True when this completion has just finished."""
-        if spec_stats is not None:
-            self.spec_stats = spec_stats
-        self.num_cached_tokens = max(self.num_cached_tokens, num_cached_tokens)
+    def apply(self, update: RequestUpdate) -> bool:
+        """Fold in one engine update (the server's and the offline LLM's alike); True when this
+        completion has just finished."""
+        new_token_ids, new_logprobs = update.new_token_ids, update.new_logprobs
+        finish_reason = (None if update.finish_reason is None
+                         else FinishReason(update.finish_reason).value)
+        if update.spec_stats is not None:
+            self.spec_stats = update.spec_stats
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         if self.finished:
             return False  # already ended here by a stop string; this is the engine's abort echo
         num_taken = len(new_token_ids)
@@ -87,7 +90,7 @@ class CompletionTracker:
             self.needs_abort = finish_reason is None
             return True
         if finish_reason is not None:
-            self.finish_reason, self.stop_reason = finish_reason, stop_reason
+            self.finish_reason, self.stop_reason = finish_reason, update.stop_reason
             return True
         return False
 

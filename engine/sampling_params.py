@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -128,6 +129,11 @@ class SamplingParams:
                              f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    def for_completion(self, index: int) -> SamplingParams:
+        """Completion `index` of n: each is its own engine request (n = 1), a seeded one with a
+        seed of its own (the server's and the offline LLM's fan-out)."""
+        return dataclasses.replace(self, n=1, seed=child_seed(self.seed, index))
 
     @property
     def is_greedy(self) -> bool:

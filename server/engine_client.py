@@ -30,11 +30,11 @@ from engine.messages import (
     RequestRejected,
     Shutdown,
     StepStats,
-    TokenDelta,
     decode,
     encode,
 )
 from engine.sampling_params import SamplingParams
+from engine.step.types import RequestUpdate
 from server.engine_launch import EngineLaunch, launch_engine
 
 logger = logging.getLogger("specserve.server")
@@ -77,7 +77,7 @@ class EngineClient:
         self._has_failed = False
         # set by shutdown(): tasks ending from then on are being stopped, not failing
         self._is_shutting_down = False
-        self._queues: dict[str, asyncio.Queue[TokenDelta | Exception]] = {}
+        self._queues: dict[str, asyncio.Queue[RequestUpdate | Exception]] = {}
         self._process: multiprocessing.process.BaseProcess | None = None
         self._tasks: list[asyncio.Task] = []
         # abort_soon's sends, referenced until done so they are not garbage-collected mid-flight
@@ -151,7 +151,7 @@ class EngineClient:
     # ------------------------------------------------------------------ requests
     async def add_request(self, request_id: str, prompt_token_ids: list[int],
                           params: SamplingParams, cache_salt: str | None = None,
-                          ) -> asyncio.Queue[TokenDelta | Exception]:
+                          ) -> asyncio.Queue[RequestUpdate | Exception]:
         """Queue of this request's deltas; it ends with a delta carrying finish_reason, or an
         exception (RequestRejectedError, RequestFailedError, EngineDeadError). Raises RequestRejectedError when the
         request cannot be encoded for the engine. `cache_salt` is the request's tenant (None: no
@@ -164,7 +164,7 @@ class EngineClient:
             message = encode(AddRequest(request_id, list(prompt_token_ids), params, cache_salt))
         except (OverflowError, TypeError, ValueError) as error:  # e.g. an integer beyond 64 bits
             raise RequestRejectedError(f"the request cannot be sent to the engine: {error}") from None
-        queue: asyncio.Queue[TokenDelta | Exception] = asyncio.Queue()
+        queue: asyncio.Queue[RequestUpdate | Exception] = asyncio.Queue()
         self._queues[request_id] = queue
         await self._to_engine.send(message)
         return queue
@@ -192,7 +192,7 @@ class EngineClient:
         while True:
             message = decode(await self._from_engine.recv())
             if isinstance(message, EngineOutputs):
-                for delta in message.deltas:
+                for delta in message.updates:
                     queue = self._queues.get(delta.request_id)
                     if queue is None:
                         continue  # aborted here already

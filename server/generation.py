@@ -10,16 +10,15 @@ client gone), the engine is left with nothing of it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.messages import TokenDelta
 from engine.output_processor import CompletionTracker, StreamPiece
-from engine.sampling_params import SamplingParams, child_seed
+from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
+from engine.step.types import RequestUpdate
 from server.api_responses import random_id
 from server.engine_client import (
     EngineClient,
@@ -99,12 +98,11 @@ class Generation:
         self.choices: list[Choice] = []
         for prompt_index, (prompt, prompt_params) in enumerate(zip(prompts, params)):
             for j in range(n):
-                child = dataclasses.replace(prompt_params, n=1,
-                                            seed=child_seed(prompt_params.seed, j))
+                child = prompt_params.for_completion(j)
                 self.choices.append(Choice(prompt_index * n + j, f"{base_id}-{prompt_index}-{j}",
                                            prompt, child,
                                            CompletionTracker(tokenizer, prompt, child)))
-        self._merged: asyncio.Queue[tuple[Choice, TokenDelta | Exception]] = asyncio.Queue()
+        self._merged: asyncio.Queue[tuple[Choice, RequestUpdate | Exception]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -220,7 +218,7 @@ class Generation:
             if isinstance(item, Exception) or item.finish_reason is not None:
                 return
 
-    def _fold(self, choice: Choice, delta: TokenDelta) -> None:
+    def _fold(self, choice: Choice, delta: RequestUpdate) -> None:
         now = time.perf_counter()
         if delta.new_token_ids:
             if choice.first_token_at is None:
@@ -229,8 +227,7 @@ class Generation:
             else:
                 choice.inter_token_latencies.append(now - choice.last_token_at)
             choice.last_token_at = now
-        choice.tracker.apply(delta.new_token_ids, delta.new_logprobs, delta.finish_reason,
-                             delta.stop_reason, delta.spec_stats, delta.num_cached_tokens)
+        choice.tracker.apply(delta)
         if choice.tracker.needs_abort:  # a stop string ended it here; the engine must be told
             choice.tracker.needs_abort = False
             self.client.abort_soon([choice.request_id])

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.draft_tree import is_chain
-from engine.messages import StepStats
 from engine.request import FinishReason, Request, TokenLogprobs
 from engine.spec_stats import SpecStats
 
@@ -69,7 +68,7 @@ class RequestUpdate:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs] | None
+    new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
     # the request's speculation stats, on its final update
@@ -78,6 +77,43 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     # why the request failed, with finish_reason ERROR
     error: str | None = None
+
+
+@dataclass
+class StepStats:
+    """One engine step, for the metrics the server owns (engine/core.py fills it).
+
+    `is_step` False marks a snapshot sent after an abort, outside any step: only its gauges (running,
+    waiting, KV-cache usage, preemptions) mean anything, so freed blocks show without waiting for work.
+    """
+
+    is_step: bool = True
+    num_running: int = 0
+    num_waiting: int = 0
+    # fraction of KV blocks in use, 0..1
+    kv_cache_usage: float = 0.0
+    num_preemptions: int = 0
+    # prefix caching, running totals in tokens (vLLM's): prompt tokens looked up, and found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    # speculation: drafts verified this step (one per request that had any), their tokens, accepted
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # accepted_per_position[i]: drafts whose position i + 1 was accepted this step
+    accepted_per_position: list[int] = field(default_factory=list)
+    # per draft verified this step: how many of its tokens were accepted
+    accepted_lengths: list[int] = field(default_factory=list)
+    # seconds of this step in the target pass + verification, and in proposing the next drafts
+    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    # drafting for the next step: requests whose k was chosen, how many of them got k > 0, and the
+    # sum of their k (fixed k: the configured k within each request's cap; adaptive: the choice)
+    num_k_choices: int = 0
+    num_speculating_choices: int = 0
+    sum_chosen_k: int = 0
 
 
 @dataclass

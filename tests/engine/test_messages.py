@@ -1,6 +1,7 @@
-"""The engine queue's codec (engine/messages.py): every message, and the SamplingParams, SpecStats
-and logprobs inside them, arrive as the objects that were sent, equal field for field, tuples as
-tuples; a request's parameters are not validated a second time; anything else is refused."""
+"""The engine queue's codec (engine/messages.py): every message, and the SamplingParams, RequestUpdate,
+SpecStats, logprobs and finish reasons inside them, arrive as the objects that were sent, equal
+field for field, tuples as tuples; a request's parameters are not validated a second time; anything
+else is refused."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from engine.messages import (
     AddRequest,
     EngineOutputs,
     StepStats,
-    TokenDelta,
     decode,
     encode,
 )
-from engine.request import TokenLogprobs
+from engine.request import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
+from engine.step.types import RequestUpdate
 
 
 def spec_stats() -> SpecStats:
@@ -49,17 +50,18 @@ def test_a_request_arrives_with_its_parameters_as_sent(monkeypatch):
 def test_a_step_arrives_with_every_count_and_logprob():
     logprobs = [TokenLogprobs(5, -0.25, 1, [(5, -0.25), (8, -1.5)])]
     outputs = EngineOutputs(
-        [TokenDelta("a", [5], logprobs, finish_reason="stop", stop_reason=2,
+        [RequestUpdate("a", [5], logprobs, finish_reason=FinishReason.STOP, stop_reason=2,
                     spec_stats=spec_stats(), num_cached_tokens=16),
-         TokenDelta("b", [6, 7])],
+         RequestUpdate("b", [6, 7])],
         StepStats(num_running=2, accepted_per_position=[2, 1], accepted_lengths=[2, 0]))
     got = decode(encode(outputs))
     assert got == outputs
-    assert type(got.deltas[0].spec_stats) is SpecStats
-    assert got.deltas[0].spec_stats.mean_acceptance_length == 1 + 5 / 3
-    assert got.deltas[0].new_logprobs[0].top == [(5, -0.25), (8, -1.5)]
+    assert got.updates[0].finish_reason is FinishReason.STOP
+    assert type(got.updates[0].spec_stats) is SpecStats
+    assert got.updates[0].spec_stats.mean_acceptance_length == 1 + 5 / 3
+    assert got.updates[0].new_logprobs[0].top == [(5, -0.25), (8, -1.5)]
 
 
 def test_a_type_the_codec_does_not_know_is_refused():
     with pytest.raises(TypeError, match="cannot cross the engine queue"):
-        encode(TokenDelta("a", [1], spec_stats=object()))
+        encode(RequestUpdate("a", [1], spec_stats=object()))

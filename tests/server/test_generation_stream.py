@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from embedded_tokenizer import load_embedded_tokenizer
 
-from engine.messages import EngineReady, TokenDelta
+from engine.messages import EngineReady
 from engine.request import TokenLogprobs
+from engine.step.types import RequestUpdate
 from server.api_requests import ChatCompletionRequest, CompletionRequest
 from server.metrics import ServerMetrics
 from server.openai_serving import OpenAIServing
@@ -42,7 +43,7 @@ class ScriptedEngine:
         self.added.append((request_id, params, cache_salt))
         queue: asyncio.Queue = asyncio.Queue()
         for delta in self.script(int(request_id.rsplit("-", 1)[1])):
-            queue.put_nowait(TokenDelta(request_id, **delta))
+            queue.put_nowait(RequestUpdate(request_id, **delta))
         return queue
 
     def abort_soon(self, request_ids: list[str]) -> None:

@@ -14,7 +14,9 @@ import zmq.asyncio
 from embedded_tokenizer import load_embedded_tokenizer
 
 from engine.engine_args import EngineArgs
-from engine.messages import EngineOutputs, EngineReady, TokenDelta, encode
+from engine.messages import EngineOutputs, EngineReady, encode
+from engine.request import FinishReason
+from engine.step.types import RequestUpdate
 from server.api_requests import ChatCompletionRequest, CompletionRequest
 from server.engine_client import EngineClient, RequestFailedError
 from server.errors import ApiError
@@ -39,8 +41,8 @@ def test_the_client_hands_over_the_tokens_then_the_error(tiny_llama):
         router = asyncio.create_task(client._route_outputs())
         try:
             await engine_side.send(encode(EngineOutputs([
-                TokenDelta("failing", [5, 6], finish_reason="error", error=WHY),
-                TokenDelta("healthy", [7])])))
+                RequestUpdate("failing", [5, 6], finish_reason=FinishReason.ERROR, error=WHY),
+                RequestUpdate("healthy", [7])])))
             tokens = await asyncio.wait_for(failing.get(), 10)
             error = await asyncio.wait_for(failing.get(), 10)
             assert tokens.new_token_ids == [5, 6] and tokens.finish_reason is None
@@ -66,7 +68,7 @@ class FailingEngine:
 
     async def add_request(self, request_id, prompt_token_ids, params, cache_salt=None):
         queue: asyncio.Queue = asyncio.Queue()
-        queue.put_nowait(TokenDelta(request_id, self.tokens))
+        queue.put_nowait(RequestUpdate(request_id, self.tokens))
         queue.put_nowait(RequestFailedError(WHY))
         return queue
 
