@@ -120,8 +120,7 @@ class LLM:
         """Fold one engine update into its completion; True when that completion just finished."""
         completion, tracker = trackers[update.request_id]
         finished = tracker.apply(update)
-        if tracker.needs_abort:
-            tracker.needs_abort = False
+        if tracker.take_abort():
             self.engine.abort([update.request_id])
         completion.token_ids = tracker.token_ids
         completion.logprobs = tracker.logprobs

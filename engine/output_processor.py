@@ -94,6 +94,12 @@ class CompletionTracker:
             return True
         return False
 
+    def take_abort(self) -> bool:
+        """Whether the engine must now be told to abort this request (a stop string ended it here,
+        and the engine does not know); True once."""
+        needs_abort, self.needs_abort = self.needs_abort, False
+        return needs_abort
+
     def take_stream_piece(self) -> StreamPiece:
         """Text not streamed yet that no stop string can still claim, with the tokens it completes
         (everything left once finished)."""

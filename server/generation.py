@@ -228,8 +228,7 @@ class Generation:
                 choice.inter_token_latencies.append(now - choice.last_token_at)
             choice.last_token_at = now
         choice.tracker.apply(delta)
-        if choice.tracker.needs_abort:  # a stop string ended it here; the engine must be told
-            choice.tracker.needs_abort = False
+        if choice.tracker.take_abort():
             self.client.abort_soon([choice.request_id])
         if choice.tracker.finished:
             self._end_waiting(choice)

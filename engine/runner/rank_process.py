@@ -11,6 +11,7 @@ import threading
 import time
 
 from engine.config import CacheConfig, ModelConfig, ParallelConfig
+from engine.runner.rank_messages import ExecutePass, KeepRows, StopRank
 
 logger = logging.getLogger(__name__)
 
@@ -22,15 +23,15 @@ def serve_rank(worker) -> None:
     """A rank other than 0: run rank 0's messages until it says stop (or is gone)."""
     group = worker.tp_group
     while True:
-        kind, payload = group.receive()
-        if kind == "execute":
-            worker.execute(payload)
-        elif kind == "keep_rows":
-            worker.keep_rows(payload)
-        elif kind == "stop":
+        message = group.receive()
+        if isinstance(message, ExecutePass):
+            worker.execute(message.forward)
+        elif isinstance(message, KeepRows):
+            worker.keep_rows(message.moves)
+        elif isinstance(message, StopRank):
             return
         else:
-            raise RuntimeError(f"rank {group.rank}: unknown message {kind!r}")
+            raise RuntimeError(f"rank {group.rank}: unknown message {type(message).__name__}")
 
 
 def _exit_with_parent(parent_pid: int) -> None:

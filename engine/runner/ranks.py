@@ -6,9 +6,11 @@ of its node are processes it starts (engine/runner/rank_process.py), and a node 
 Every rank runs the same Worker on its shard; ranks other than 0 wait for rank 0's messages and
 answer each with their part of the pass:
 
-    ("execute", ForwardInput)   run the target pass (the collectives inside meet rank 0's)
-    ("keep_rows", [...])        a tree's accepted path moves its K/V (engine/runner/worker.py)
-    ("stop", None)              leave
+    ExecutePass(ForwardInput)   run the target pass (the collectives inside meet rank 0's)
+    KeepRows([KeptRows, ...])   a tree's accepted path moves its K/V (engine/runner/worker.py)
+    StopRank()                  leave
+
+(engine/runner/rank_messages.py).
 
 A rank whose parent process is gone, or whose rank 0 is gone (the control group's connection
 closes), exits.

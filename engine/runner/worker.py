@@ -24,6 +24,7 @@ from engine.models.vocab_heads import build_vocab_heads, vocab_weight_names, voc
 from engine.runner.collectives import Rendezvous, TensorParallelGroup, free_port
 from engine.runner.cuda_graphs import StepGraphs, graph_query_lens, why_no_graphs
 from engine.runner.paged_runner import PagedRunner
+from engine.runner.rank_messages import ExecutePass, KeepRows, KeptRows, StopRank
 from engine.runner.ranks import start_rank_processes, stop_rank_processes
 from engine.runner.sharding import ShardPlan, intermediate_unit, shard_spec, shard_weights
 from engine.runner.target_handle import TargetHandle
@@ -209,7 +210,7 @@ class Worker:
         group, self.tp_group = self.tp_group, None
         if group is not None:
             try:
-                group.send(("stop", None))
+                group.send(StopRank())
             except RuntimeError:  # NOTE: the store is gone; the ranks exit with their parent
                 pass
         stop_rank_processes(self.rank_processes)
@@ -302,7 +303,7 @@ class Worker:
         tensor parallelism rank 0 sends the pass to every rank first, and only it gets logits).
         `logits_indices`: those rows already on the device (the step layout's), else made here."""
         if self.tp_group is not None and self.rank == 0:
-            self.tp_group.send(("execute", forward))
+            self.tp_group.send(ExecutePass(forward))
         if logits_indices is None:
             logits_indices = torch.tensor(forward.logits_rows, dtype=torch.int64,
                                           device=self.device)
@@ -335,20 +336,10 @@ class Worker:
                 moves.append(KeptRows(request_id, item.request.num_computed_tokens, rows,
                                       self.block_manager.block_table(request_id)))
         if moves and self.tp_group is not None:
-            self.tp_group.send(("keep_rows", moves))
+            self.tp_group.send(KeepRows(moves))
         self.keep_rows(moves)
 
     @torch.inference_mode()
     def keep_rows(self, moves: list[KeptRows]) -> None:
         for move in moves:
             self.runner.keep_rows(move.seq_id, move.start, move.rows, move.block_table)
-
-
-@dataclass
-class KeptRows:
-    """A tree's accepted path: the K/V of rows `rows` moves to positions start, start + 1, ..."""
-
-    seq_id: str
-    start: int
-    rows: list[int]
-    block_table: list[int]
