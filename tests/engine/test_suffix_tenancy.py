@@ -164,10 +164,10 @@ def test_engine_process_forwards_the_salt(tiny_llama, unrepeating):
             speculative_config={"method": "suffix", "num_speculative_tokens": 4}))
         await client.start(timeout=120)
         try:
-            assert (await run(client, "a1", "alice"))["num_draft_tokens"] == 0
-            assert (await run(client, "b1", "bob"))["num_draft_tokens"] == 0
-            assert (await run(client, "n1", None))["num_draft_tokens"] == 0
-            assert (await run(client, "a2", "alice"))["num_accepted_draft_tokens"] > 0
+            assert (await run(client, "a1", "alice")).num_draft_tokens == 0
+            assert (await run(client, "b1", "bob")).num_draft_tokens == 0
+            assert (await run(client, "n1", None)).num_draft_tokens == 0
+            assert (await run(client, "a2", "alice")).num_accepted_draft_tokens > 0
         finally:
             await client.shutdown()
 
