@@ -1,4 +1,4 @@
-"""The target sampler's cost per row (engine/sample/rejection.RejectionSampler, the whole step:
+"""The target sampler's cost per row (engine/step/rejection.RejectionSampler, the whole step:
 processing, p, uniforms, kernels, the output transfer), unseeded beside seeded, now beside an
 earlier commit's, from one run: `python -m benchmarks.bench_sampler [--before REV]`.
 
@@ -35,7 +35,10 @@ def time_case(batch: int, k: int, top_p: float, seeded: bool, repeats: int, devi
     from engine.request import Request
     from engine.sampling_params import SamplingParams
     from engine.step.layout import StepLayout
-    from engine.step.rejection import RejectionSampler
+    try:
+        from engine.step.rejection import RejectionSampler
+    except ImportError:  # a --before commit from before the sampler moved to engine/step/
+        from engine.sample.rejection import RejectionSampler
     from engine.step.types import ScheduledRequest
 
     gen = torch.Generator().manual_seed(0)

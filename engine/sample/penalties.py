@@ -130,23 +130,3 @@ def penalize(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor
         scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(in_prompt | in_output, scaled, logits)
     return logits - frequency[:, None] * counts - presence[:, None] * in_output
-
-
-def penalize_request(logits: torch.Tensor, request: Request,
-                     draft_token_ids: list[int]) -> torch.Tensor:
-    """One request's logits [vocab] after its penalties, its output so far being the committed
-    output then `draft_token_ids` (a proposer's earlier drafts of this proposal): the same
-    transform as the target's rows get, for a draft's q."""
-    params = request.params
-    device, dtype = logits.device, logits.dtype
-    history = torch.tensor(request.output_token_ids + draft_token_ids, dtype=torch.int64,
-                           device=device)
-    counts = torch.bincount(history, minlength=logits.shape[-1]).to(dtype)  # [vocab]
-    in_prompt = None
-    if params.repetition_penalty != 1.0:
-        in_prompt = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
-        in_prompt[torch.tensor(request.prompt_token_ids, device=device)] = True
-        in_prompt = in_prompt[None]
-    coefficients = torch.tensor([[params.frequency_penalty], [params.presence_penalty],
-                                 [params.repetition_penalty]], dtype=dtype, device=device)
-    return penalize(logits[None], counts[None], in_prompt, *coefficients)[0]
