@@ -85,9 +85,11 @@ def draft_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tenso
     distribution the draft is drawn from, so verification stays lossless. logits: [rows, vocab],
     processed (process_logits); returns [rows, vocab] float32."""
     probs = target_probs(logits, metadata)
-    fallback = torch.nan_to_num(logits.float(), nan=float("-inf")).argmax(dim=-1, keepdim=True)
-    one_hot = torch.zeros_like(probs).scatter_(-1, fallback, 1.0)  # [rows, vocab]
-    return torch.where((probs.amax(dim=-1) > 0)[:, None], probs, one_hot)
+    no_mass = (~(probs.amax(dim=-1) > 0)).nonzero()[:, 0]  # [rows without mass], almost always none
+    if len(no_mass):
+        rows = torch.nan_to_num(logits[no_mass].float(), nan=float("-inf"))
+        probs[no_mass] = torch.zeros_like(rows).scatter_(-1, rows.argmax(dim=-1, keepdim=True), 1.0)
+    return probs
 
 
 # vocabulary block of the two-level inverse CDF (draw_tokens)
