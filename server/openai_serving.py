@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -30,6 +31,16 @@ from server.tools.conversation import template_inputs
 from server.tools.forced_calls import UnenforceableToolError, check_enforceable, forced_call_format
 
 Formatter = CompletionFormatter | ChatFormatter
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request ready for the engine: its prompt, its sampling, how its text is read."""
+
+    prompt: list[int]
+    params: SamplingParams
+    # how tool calls are read out of the text; None when the request may make none
+    reader: ToolCallReader | None
 
 
 class OpenAIServing:
@@ -72,6 +83,17 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, is_disconnected: Callable[[], Any],
                    tenant: str | None = None) -> BaseModel | AsyncIterator[str]:
+        prepared = await self.prepare_chat(body)
+        formatter = ChatFormatter(self.tokenizer, self.served_model_name, prepared.reader)
+        generation = await self.start(prepared, body, tenant)
+        return await self._respond(generation, formatter, body, is_disconnected)
+
+    async def prepare_chat(self, body: ChatCompletionRequest,
+                           clamp_max_tokens: bool = False) -> PreparedChat:
+        """A chat request checked, rendered and tokenized, ready to start: the one road of
+        /v1/chat/completions, /v1/responses and /v1/messages. `clamp_max_tokens`: a max_tokens
+        beyond the room left in the context is cut to that room (APIs whose clients always send
+        large values), not refused."""
         self._check_model(body.model)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
@@ -95,14 +117,15 @@ class OpenAIServing:
             raise ApiError(400, f"the chat template rejected these messages: {error}",
                            param="messages") from error
         prompt = await self._encode(text, "messages", add_special_tokens=False)
+        room = self.max_model_len - len(prompt)
+        if clamp_max_tokens and (body.requested_max_tokens or 0) > room > 0:
+            body = body.model_copy(update={"max_completion_tokens": room, "max_tokens": None})
         params = self._sampling_params(body, prompt, body.requested_max_tokens, forced)
         reader = None
         if body.tool_choice.mode != "none":
             reader = ToolCallReader(self.tool_convention.parser, forced is not None,
                                     frozenset(f.name for f in body.functions_offered))
-        formatter = ChatFormatter(self.tokenizer, self.served_model_name, reader)
-        generation = await self._start([prompt], [params], body, tenant)
-        return await self._respond(generation, formatter, body, is_disconnected)
+        return PreparedChat(prompt, params, reader)
 
     async def _forced_calls(self, body: ChatCompletionRequest) -> ResponseFormat | None:
         """The grammar of the calls tool_choice demands, checked on a thread (a large schema
@@ -123,6 +146,11 @@ class OpenAIServing:
         return forced
 
     # ------------------------------------------------------------------ running
+    async def start(self, prepared: PreparedChat, body: ChatCompletionRequest,
+                    tenant: str | None) -> Generation:
+        """A prepared chat sent to the engine."""
+        return await self._start([prepared.prompt], [prepared.params], body, tenant)
+
     async def _start(self, prompts: list[list[int]], params: list[SamplingParams],
                      body: CompletionRequest | ChatCompletionRequest,
                      tenant: str | None) -> Generation:
@@ -136,10 +164,7 @@ class OpenAIServing:
                        is_disconnected: Callable[[], Any]) -> BaseModel | AsyncIterator[str]:
         if body.stream:
             return self._stream(generation, formatter, body.include_usage)
-        try:
-            await generation.run_to_end(is_disconnected)
-        finally:
-            generation.close()
+        await run_to_end(generation, is_disconnected)
         return formatter.response(generation)
 
     @staticmethod
@@ -232,7 +257,8 @@ class OpenAIServing:
                            code="context_length_exceeded")
         if max_tokens is not None and max_tokens > room:
             raise ApiError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) "
-                                f"exceeds the context of {self.max_model_len} tokens",
+                                f"exceeds the context of {self.max_model_len} tokens: at most "
+                                f"{room} tokens can be generated",
                            param="max_tokens", code="context_length_exceeded")
         self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         self._check_token_ids(body.logit_bias_token_ids, "logit_bias")
@@ -249,6 +275,14 @@ class OpenAIServing:
 
     def _decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
+
+
+async def run_to_end(generation: Generation, is_disconnected: Callable[[], Any]) -> None:
+    """A generation run whole (not streamed), then closed whatever happened."""
+    try:
+        await generation.run_to_end(is_disconnected)
+    finally:
+        generation.close()
 
 
 def cache_salt(tenant: str | None, salt: str | None) -> str | None:
