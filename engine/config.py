@@ -48,6 +48,9 @@ class ModelConfig:
     device: str = "auto"
     # longest prompt + output in tokens; None = the model's max_position_embeddings
     max_model_len: int | None = None
+    # allow a max_model_len above the model's trained length (max_position_embeddings): positions
+    # it never saw in training, so quality may fall off; refused unless asked for (vLLM's rule)
+    allow_long_max_model_len: bool = False
     # torch intra-op threads on the CPU; None = leave torch's default
     num_threads: int | None = None
     # one of GPU_KERNELS, resolved to "torch" or "triton" when built; "triton" on the CPU only

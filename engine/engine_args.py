@@ -18,6 +18,8 @@ class EngineArgs:
     quantization: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
+    # a max_model_len above the model's trained length, with a warning (engine/config.py)
+    allow_long_max_model_len: bool = False
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
@@ -49,7 +51,9 @@ class EngineArgs:
         spec = self.speculative_config
         return (
             ModelConfig(model=self.model, dtype=self.dtype, device=self.device,
-                        max_model_len=self.max_model_len, num_threads=self.num_threads,
+                        max_model_len=self.max_model_len,
+                        allow_long_max_model_len=self.allow_long_max_model_len,
+                        num_threads=self.num_threads,
                         gpu_kernels=self.gpu_kernels, quantization=self.quantization,
                         enforce_eager=self.enforce_eager,
                         cuda_graph_max_seqs=self.cuda_graph_max_seqs,

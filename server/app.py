@@ -21,6 +21,13 @@ from server.errors import ApiError, ErrorResponse
 from server.generation import ClientDisconnected
 from server.metrics import ServerMetrics
 from server.openai_serving import OpenAIServing
+from server.tokenize_api import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    Tokenization,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 # FastAPI's message when reading the body failed for a reason other than JSON syntax
 _BODY_PARSE_FAILED = "There was an error parsing the body"
@@ -122,6 +129,16 @@ def build_app(state: ServerState) -> FastAPI:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=state.serving.served_model_name,
                                          max_model_len=state.serving.max_model_len)])
+
+    tokenization = Tokenization(state.serving)
+
+    @app.post("/tokenize", responses=errors)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize", responses=errors)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(body)
 
     @app.post("/v1/completions", dependencies=generation, responses=errors)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -68,7 +68,12 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     serve.add_argument("--quantization", default="auto", help=QUANTIZATION_HELP)
     serve.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    serve.add_argument("--max-model-len", type=int, default=None)
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="longest prompt + output in tokens (default: the model's trained "
+                            "length)")
+    serve.add_argument("--allow-long-max-model-len", action="store_true",
+                       help="allow --max-model-len above the model's trained length, with a "
+                            "warning (output past that length may degrade)")
     serve.add_argument("--max-num-seqs", type=int, default=64)
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048)
     serve.add_argument("--block-size", type=int, default=16)
@@ -139,7 +144,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     engine_args = EngineArgs(
         model=args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-        max_model_len=args.max_model_len,
+        max_model_len=args.max_model_len, allow_long_max_model_len=args.allow_long_max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory_gib=args.kv_cache_memory_gib,
         num_threads=args.num_threads, gpu_kernels=args.gpu_kernels,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from engine.sampling_params import SamplingParams
 from engine.structured import ResponseFormat, ResponseFormatError, check_grammar_support
-from server.api_requests import ChatCompletionRequest, CompletionRequest
+from server.api_requests import ChatCompletionRequest, ChatMessage, CompletionRequest
 from server.chat_formatter import ChatFormatter
 from server.completion_formatter import CompletionFormatter
 from server.engine_client import EngineClient
@@ -29,6 +29,7 @@ from server.tools.call_reader import ToolCallReader
 from server.tools.conventions import tool_convention
 from server.tools.conversation import template_inputs
 from server.tools.forced_calls import UnenforceableToolError, check_enforceable, forced_call_format
+from server.tools.tool_request import FunctionSpec, ToolChoice
 
 Formatter = CompletionFormatter | ChatFormatter
 
@@ -66,13 +67,13 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, is_disconnected: Callable[[], Any],
                           tenant: str | None = None) -> BaseModel | AsyncIterator[str]:
         """`tenant`: the API key's tenant (server/api_key.py), None on a server without keys."""
-        self._check_model(body.model)
+        self.check_model(body.model)
         if body.echo and body.logprobs is not None:
             raise ApiError(400, "echo with logprobs is not supported (no prompt logprobs)",
                            param="echo")
         self._check_queue_room(len(body.prompts), body.n)
         for prompt in body.prompts:
-            self._check_prompt_size(prompt, "prompt")
+            self.check_prompt_size(prompt, "prompt")
         await self._check_response_format(body)
         prompts = [await self._tokenize_prompt(p) for p in body.prompts]
         params = [self._sampling_params(body, ids, body.max_tokens) for ids in prompts]
@@ -94,29 +95,14 @@ class OpenAIServing:
         /v1/chat/completions, /v1/responses and /v1/messages. `clamp_max_tokens`: a max_tokens
         beyond the room left in the context is cut to that room (APIs whose clients always send
         large values), not refused."""
-        self._check_model(body.model)
+        self.check_model(body.model)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model has no chat template; use /v1/completions")
         self._check_queue_room(1, body.n)
-        num_chars = sum(len(m.content or "") + sum(len(c.function.arguments)
-                                                   for c in m.tool_calls or ())
-                        for m in body.messages)
-        if num_chars > self.max_prompt_chars:
-            raise _too_long("messages", num_chars, self.max_prompt_chars, self.max_model_len)
+        self.check_messages_size(body.messages)
         await self._check_response_format(body)
         forced = await self._forced_calls(body)
-        messages, tools = template_inputs(body.messages, body.tools, body.tool_choice,
-                                          self.tool_convention)
-        try:
-            # NOTE: in a thread: a long conversation takes a while to render, and the event loop
-            # must keep other requests' streams flowing meanwhile
-            text = await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, messages, tools=tools, tokenize=False,
-                add_generation_prompt=True)
-        except Exception as error:  # jinja errors: the conversation does not fit the template
-            raise ApiError(400, f"the chat template rejected these messages: {error}",
-                           param="messages") from error
-        prompt = await self._encode(text, "messages", add_special_tokens=False)
+        prompt = await self.render_chat(body.messages, body.tools, body.tool_choice)
         room = self.max_model_len - len(prompt)
         if clamp_max_tokens and (body.requested_max_tokens or 0) > room > 0:
             body = body.model_copy(update={"max_completion_tokens": room, "max_tokens": None})
@@ -126,6 +112,27 @@ class OpenAIServing:
             reader = ToolCallReader(self.tool_convention.parser, forced is not None,
                                     frozenset(f.name for f in body.functions_offered))
         return PreparedChat(prompt, params, reader)
+
+    async def render_chat(self, messages: Sequence[ChatMessage],
+                          functions: Sequence[FunctionSpec] | None, choice: ToolChoice,
+                          add_generation_prompt: bool = True,
+                          add_special_tokens: bool = False) -> list[int]:
+        """The prompt's token ids: the conversation (and the tools it may call) through the
+        model's chat template."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        template_messages, tools = template_inputs(messages, functions, choice,
+                                                   self.tool_convention)
+        try:
+            # NOTE: in a thread: a long conversation takes a while to render, and the event loop
+            # must keep other requests' streams flowing meanwhile
+            text = await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, template_messages, tools=tools,
+                tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as error:  # jinja errors: the conversation does not fit the template
+            raise ApiError(400, f"the chat template rejected these messages: {error}",
+                           param="messages") from error
+        return await self.encode(text, "messages", add_special_tokens=add_special_tokens)
 
     async def _forced_calls(self, body: ChatCompletionRequest) -> ResponseFormat | None:
         """The grammar of the calls tool_choice demands, checked on a thread (a large schema
@@ -190,7 +197,7 @@ class OpenAIServing:
             generation.close()
 
     # ------------------------------------------------------------------ validation
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.served_model_name!r}", param="model",
@@ -203,7 +210,7 @@ class OpenAIServing:
                                 f"({num_prompts} prompts x n {n}); this server queues at most "
                                 f"{self.waiting.max_waiting}", param="n")
 
-    def _check_prompt_size(self, prompt: str | list[int], param: str) -> None:
+    def check_prompt_size(self, prompt: str | list[int], param: str) -> None:
         """Before tokenizing: a text with more characters than the context could hold in tokens,
         or token ids that fill the context alone, is a 400."""
         if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
@@ -212,6 +219,15 @@ class OpenAIServing:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
                                 f"{self.max_model_len} tokens, leaving no room to generate",
                            param=param, code="context_length_exceeded")
+
+    def check_messages_size(self, messages: Sequence[ChatMessage]) -> None:
+        """Before rendering: a conversation with more characters than the context could hold in
+        tokens is a 400."""
+        num_chars = sum(len(m.content or "") + sum(len(c.function.arguments)
+                                                   for c in m.tool_calls or ())
+                        for m in messages)
+        if num_chars > self.max_prompt_chars:
+            raise _too_long("messages", num_chars, self.max_prompt_chars, self.max_model_len)
 
     @staticmethod
     async def _check_response_format(body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -228,16 +244,16 @@ class OpenAIServing:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send token ids", param="prompt")
-            return await self._encode(prompt, "prompt")
-        self._check_token_ids(prompt, "prompt")
+            return await self.encode(prompt, "prompt")
+        self.check_token_ids(prompt, "prompt")
         return prompt
 
-    def _check_token_ids(self, token_ids: list[int], param: str) -> None:
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
         if token_ids and max(token_ids) >= self.vocab_size:
             raise ApiError(400, f"every token id in {param} must be below the vocabulary size "
                                 f"{self.vocab_size}", param=param)
 
-    async def _encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
+    async def encode(self, text: str, param: str, **kwargs: Any) -> list[int]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as error:  # lone surrogates from JSON "\udcff" escapes
@@ -260,8 +276,8 @@ class OpenAIServing:
                                 f"exceeds the context of {self.max_model_len} tokens: at most "
                                 f"{room} tokens can be generated",
                            param="max_tokens", code="context_length_exceeded")
-        self._check_token_ids(body.stop_token_ids or [], "stop_token_ids")
-        self._check_token_ids(body.logit_bias_token_ids, "logit_bias")
+        self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
+        self.check_token_ids(body.logit_bias_token_ids, "logit_bias")
         spec = body.speculative_decoding
         if spec is not None and (spec.num_speculative_tokens or 0) > self.engine_k:
             raise ApiError(400, f"num_speculative_tokens {spec.num_speculative_tokens} is above "

@@ -225,9 +225,15 @@ class Worker:
         arch = self.arch
         max_model_len = model_config.max_model_len or arch.max_position_embeddings
         if max_model_len > arch.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{arch.max_position_embeddings}")
+            if not model_config.allow_long_max_model_len:
+                raise ValueError(
+                    f"max_model_len {max_model_len} exceeds the model's trained length "
+                    f"(max_position_embeddings {arch.max_position_embeddings}); pass "
+                    f"--allow-long-max-model-len (LLM(allow_long_max_model_len=True)) to serve "
+                    f"positions the model never saw in training")
+            logger.warning("max_model_len %d is above the model's trained length %d: output "
+                           "past that length may degrade", max_model_len,
+                           arch.max_position_embeddings)
         bytes_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * self.dtype.itemsize
         num_blocks = cache_config.num_blocks or int(
             cache_config.kv_cache_memory_gib * 2**30 // (bytes_per_token * cache_config.block_size))

@@ -30,6 +30,16 @@ def test_bad_engine_settings(tiny_llama, kwargs, message):
         LLM(tiny_llama, **kwargs)
 
 
+def test_a_max_model_len_above_the_trained_length_is_served_when_asked_for(tiny_llama, caplog):
+    """The tiny model was trained to 512 positions: 1024 is refused above, and served here."""
+    llm = LLM(tiny_llama, dtype="float64", max_model_len=1024, allow_long_max_model_len=True,
+              num_kv_blocks=64)
+    assert "above the model's trained length 512" in caplog.text
+    [output] = llm.generate({"prompt_token_ids": [1, 2, 3] * 250},
+                            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(output.outputs[0].token_ids) == 8
+
+
 def test_triton_kernels_need_a_gpu_or_the_interpreter(tiny_llama, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="runs on CUDA devices"):
