@@ -52,14 +52,16 @@ class ApiKeyCheck:
         await self.app(scope, receive, send)
 
     def _tenant(self, scope: Scope) -> str | None:
-        scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            return None
+        headers = Headers(scope=scope)
+        scheme, _, bearer = headers.get("authorization", "").partition(" ")
+        # Anthropic's clients send the key as `x-api-key: <key>` instead
+        given = [bearer if scheme.lower() == "bearer" else "", headers.get("x-api-key", "")]
         found = None
         for key, tenant in self.tenants:
             # NOTE: constant-time comparisons against every key, so timing leaks no key
-            if hmac.compare_digest(token.encode(), key):
-                found = tenant
+            for token in given:
+                if token and hmac.compare_digest(token.encode(), key):
+                    found = tenant
         return found
 
 
@@ -68,6 +70,7 @@ def _is_protected(path: str) -> bool:
 
 
 async def _unauthorized(send: Send) -> None:
-    error = ApiError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+    error = ApiError(401, "invalid or missing API key (Authorization: Bearer <key>, or "
+                          "x-api-key: <key>)",
                      code="invalid_api_key")
     await error.send_asgi(send, [(b"www-authenticate", b"Bearer")])

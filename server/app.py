@@ -4,10 +4,11 @@ every failure to OpenAI's error shape with its status (never a 500 for bad input
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -19,8 +20,13 @@ from server.body_limit import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT, Body
 from server.engine_client import EngineClient
 from server.errors import ApiError, ErrorResponse
 from server.generation import ClientDisconnected
+from server.messages_errors import AnthropicErrorShape
+from server.messages_serving import MessagesServing
 from server.metrics import ServerMetrics
 from server.openai_serving import OpenAIServing
+from server.response_store import ResponseStore
+from server.responses_api import ResponsesRequest
+from server.responses_serving import DeletedResponse, ResponsesServing
 from server.tokenize_api import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -53,6 +59,8 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # seconds a client has to send its body once its headers are in (then 408)
     read_timeout: float = DEFAULT_READ_TIMEOUT
+    # responses kept for GET /v1/responses/{id} and previous_response_id, per tenant
+    responses: ResponseStore = field(default_factory=ResponseStore)
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -63,6 +71,8 @@ def build_app(state: ServerState) -> FastAPI:
     if state.api_keys:
         # NOTE: added last, so it runs first: the key is checked before the body is read (401 first)
         app.add_middleware(ApiKeyCheck, api_keys=state.api_keys)
+    # NOTE: outside every other middleware: errors on /v1/messages paths in Anthropic's shape
+    app.add_middleware(AnthropicErrorShape)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, error: ApiError) -> JSONResponse:
@@ -149,6 +159,34 @@ def build_app(state: ServerState) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return _respond(await state.serving.chat(body, request.is_disconnected,
                                                  request_tenant(request)))
+
+    responses_api = ResponsesServing(state.serving, state.responses)
+
+    @app.post("/v1/responses", dependencies=generation, responses=errors)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return _respond(await responses_api.create(body, request.is_disconnected,
+                                                   request_tenant(request)))
+
+    @app.get("/v1/responses/{response_id}", responses=errors)
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        return _respond(responses_api.retrieve(response_id, request_tenant(request)))
+
+    @app.delete("/v1/responses/{response_id}", responses=errors)
+    async def delete_response(response_id: str, request: Request) -> DeletedResponse:
+        return responses_api.delete(response_id, request_tenant(request))
+
+    messages_api = MessagesServing(state.serving)
+
+    # NOTE: validated by messages_api itself, so its errors name Anthropic's fields; left out of
+    # /openapi.json, whose error bodies are OpenAI's (these answer in Anthropic's shape)
+    @app.post("/v1/messages", dependencies=generation, include_in_schema=False)
+    async def create_message(request: Request, body: dict[str, Any] = Body()) -> Response:
+        return _respond(await messages_api.create(body, request.is_disconnected,
+                                                  request_tenant(request)))
+
+    @app.post("/v1/messages/count_tokens", include_in_schema=False)
+    async def count_message_tokens(body: dict[str, Any] = Body()) -> Response:
+        return _respond(await messages_api.count_tokens(body))
 
     default_openapi = app.openapi
 

@@ -52,9 +52,10 @@ def is_number(value: Any) -> bool:
 def keep_small(body: dict) -> None:
     """Cap the fields that set how much work a request is; no max (or null) would mean the
     whole context."""
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-        body["max_tokens"] = MAX_GENERATED_TOKENS
-    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
+    if all(body.get(name) is None
+           for name in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
+        body["max_tokens" if "input" not in body else "max_output_tokens"] = MAX_GENERATED_TOKENS
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens"):
         if is_int(body.get(name)) and body[name] > MAX_GENERATED_TOKENS:
             body[name] = MAX_GENERATED_TOKENS
     if is_int(body.get("n")) and body["n"] > MAX_GENERATED_N:
