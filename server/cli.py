@@ -113,6 +113,10 @@ def _add_serve_parser(commands) -> None:
                        help="open HTTP connections beyond this get 503 and are closed")
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--override-generation-config", default=None,
+                       help='defaults for the sampling fields a request leaves out, as JSON, '
+                            'e.g. \'{"temperature": 0}\' (greedy unless a request asks '
+                            'otherwise; agents such as Claude Code send no temperature)')
     serve.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSER_NAMES,
                        help="how tool calls are written and parsed (default: from the chat "
                             "template; hermes for a template that knows no tools)")
@@ -139,6 +143,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     # NOTE: first, before anything loads
     api_keys = resolve_api_keys(args.api_key, args.api_key_file, os.environ)
+    from server.sampling_defaults import parse_generation_config
+
+    sampling_defaults = parse_generation_config(args.override_generation_config)
 
     from engine.engine_args import EngineArgs
 
@@ -186,7 +193,8 @@ def run_serve(args: argparse.Namespace) -> int:
                              max_waiting_requests=args.max_waiting_requests,
                              drain_timeout=args.drain_timeout, log_level=args.log_level,
                              max_body_bytes=int(args.max_body_mib * 2**20),
-                             tool_call_parser=args.tool_call_parser)
+                             tool_call_parser=args.tool_call_parser,
+                             sampling_defaults=sampling_defaults)
     return asyncio.run(serve(engine_args, server_args, launch))
 
 

@@ -30,6 +30,7 @@ from server.messages_params import (
     AssistantMessage,
     CustomTool,
     MessageParam,
+    SystemMessage,
     TextBlocks,
     ToolChoiceParam,
     ToolParam,
@@ -109,10 +110,14 @@ class MessagesCountTokensRequest(BaseModel):
     def _check_conversation(self) -> None:
         """Each tool_result answers a tool_use of the assistant message right before it, and the
         conversation ends with the user (an assistant prefill is not continued here)."""
-        for index, message in enumerate(self.messages):
+        # NOTE: system messages move to the system prompt (_chat_messages), so they sit between
+        # nothing: a tool_result answers the assistant message before it, system ones aside
+        conversation = [(index, message) for index, message in enumerate(self.messages)
+                        if not isinstance(message, SystemMessage)]
+        for place, (index, message) in enumerate(conversation):
             if not isinstance(message, UserMessage):
                 continue
-            before = self.messages[index - 1] if index else None
+            before = conversation[place - 1][1] if place else None
             open_ids = {call.id for call in before.tool_uses} \
                 if isinstance(before, AssistantMessage) else set()
             for position, block in enumerate(message.content):
@@ -131,9 +136,16 @@ class MessagesCountTokensRequest(BaseModel):
 
     # ------------------------------------------------------------------ translation
     def _chat_messages(self) -> list[dict[str, Any]]:
-        system = [] if not self.system else [
-            {"role": "system", "content": "\n".join(block.text for block in self.system)}]
-        return system + [chat for message in self.messages for chat in message.chat_messages()]
+        """System messages within `messages` (Claude Code sends its environment as one after the
+        user's question) join the system prompt, in order: most chat templates take one system
+        message, first, and a small model answers the last turn it sees, which should be the
+        user's."""
+        system = [block.text for block in self.system or ()]
+        system += [block.text for message in self.messages if isinstance(message, SystemMessage)
+                   for block in message.content]
+        return ([{"role": "system", "content": "\n".join(system)}] if system else []) + [
+            chat for message in self.messages if not isinstance(message, SystemMessage)
+            for chat in message.chat_messages()]
 
     def _chat_fields(self, may_force: bool) -> dict[str, Any]:
         """`may_force`: tool_choice "any" and "tool" force a call (a grammar); without it they are

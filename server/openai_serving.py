@@ -25,6 +25,7 @@ from server.errors import ApiError
 from server.generation import Generation, WaitingRequests
 from server.metrics import ServerMetrics
 from server.prompt_limits import max_prompt_chars
+from server.sampling_defaults import with_defaults
 from server.tools.call_reader import ToolCallReader
 from server.tools.conventions import tool_convention
 from server.tools.conversation import template_inputs
@@ -47,9 +48,12 @@ class PreparedChat:
 class OpenAIServing:
     def __init__(self, client: EngineClient, tokenizer: Any, served_model_name: str,
                  metrics: ServerMetrics, max_waiting_requests: int,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None,
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
         """`tool_call_parser`: the tool-call convention (server/tools/conventions.py); None = the
-        chat template's."""
+        chat template's. `sampling_defaults`: values for the sampling fields a request leaves out
+        (server/sampling_defaults.py)."""
+        self.sampling_defaults = sampling_defaults or {}
         self.client = client
         self.tokenizer = tokenizer
         self.served_model_name = served_model_name
@@ -276,6 +280,7 @@ class OpenAIServing:
                                 f"exceeds the context of {self.max_model_len} tokens: at most "
                                 f"{room} tokens can be generated",
                            param="max_tokens", code="context_length_exceeded")
+        body = with_defaults(body, self.sampling_defaults)
         self.check_token_ids(body.stop_token_ids or [], "stop_token_ids")
         self.check_token_ids(body.logit_bias_token_ids, "logit_bias")
         spec = body.speculative_decoding

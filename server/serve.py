@@ -10,7 +10,8 @@ import logging
 import os
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import uvicorn
 
@@ -51,6 +52,8 @@ class ServerArgs:
     log_level: str = "info"
     # the tool-call convention (server/tools/conventions.py); None = the chat template's
     tool_call_parser: str | None = None
+    # values for the sampling fields a request leaves out (server/sampling_defaults.py)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def served_model_name(engine_args: EngineArgs, server_args: ServerArgs) -> str:
@@ -126,7 +129,7 @@ async def serve(engine_args: EngineArgs, server_args: ServerArgs,
         callbacks.metrics = metrics
         tokenizer = await tokenizer_loaded
         serving = OpenAIServing(client, tokenizer, name, metrics, server_args.max_waiting_requests,
-                                server_args.tool_call_parser)
+                                server_args.tool_call_parser, server_args.sampling_defaults)
         state = ServerState(client, serving, metrics, server_args.api_keys,
                             max_body_bytes=server_args.max_body_bytes,
                             read_timeout=server_args.read_timeout)

@@ -90,13 +90,21 @@ def test_counting_forces_no_call_but_shows_the_same_tools() -> None:
     assert chat.tool_choice.mode == "auto" and len(chat.tools) == 1
 
 
-def test_a_system_message_in_the_conversation_stays_where_it_is() -> None:
-    """Claude Code appends its environment as a system message after the user's."""
-    chat = chat_of(system="Be brief.", messages=[ASK, {"role": "system", "content": [
-        {"type": "text", "text": "# Environment"}, {"type": "text", "text": "Platform: linux"}]}])
+def test_a_system_message_in_the_conversation_joins_the_system_prompt() -> None:
+    """Claude Code appends its environment as a system message after the user's: it joins the
+    system prompt, so the turn the model answers is the user's, and a tool_result still answers
+    the call before it across one."""
+    call = {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]}
+    result = {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}
+    environment = {"role": "system", "content": [
+        {"type": "text", "text": "# Environment"}, {"type": "text", "text": "Platform: linux"}]}
+    chat = chat_of(system="Be brief.", tools=[WEATHER],
+                   messages=[ASK, environment, call, environment, result])
     assert [(m.role, m.content) for m in chat.messages] == [
-        ("system", "Be brief."), ("user", ASK["content"]),
-        ("system", "# Environment\nPlatform: linux")]
+        ("system", "Be brief.\n# Environment\nPlatform: linux\n# Environment\nPlatform: linux"),
+        ("user", ASK["content"]), ("assistant", None), ("tool", "sunny")]
 
 
 def test_server_tools_and_deferred_tools_are_not_offered() -> None:
