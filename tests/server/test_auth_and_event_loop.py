@@ -6,50 +6,19 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from types import SimpleNamespace
 
 import pytest
+from engineless_app import KEY, asgi_request, engineless_app
 
-from engine.messages import EngineReady
 from server.api_requests import ChatCompletionRequest
-from server.app import ServerState, build_app
-from server.metrics import ServerMetrics
-from server.openai_serving import OpenAIServing
-
-KEY = "sk-test"
 
 
 def app_with_key(tokenizer=None):
-    ready = EngineReady("tiny", 128, 96, "float32", "cpu", 8, 16, None, 0)
-    client = SimpleNamespace(is_alive=True, ready=ready)
-    metrics = ServerMetrics("tiny", None, 0)
-    serving = OpenAIServing(client, tokenizer, "tiny", metrics, max_waiting_requests=4)
-    return build_app(ServerState(client, serving, metrics, api_keys=(KEY,))), serving
+    return engineless_app(tokenizer)
 
 
 async def call(app, path: str, headers: dict[str, str], body: bytes):
-    """One request through the ASGI app; returns (status, body, whether the body was read)."""
-    was_read = False
-    sent: list[dict] = []
-
-    async def receive():
-        nonlocal was_read
-        was_read = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
-             "headers": [(k.lower().encode(), v.encode()) for k, v in
-                         {"content-type": "application/json",
-                          "content-length": str(len(body)), **headers}.items()]}
-    await app(scope, receive, send)
-    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
-    payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    return status, json.loads(payload), was_read
+    return await asgi_request(app, path, body, headers)
 
 
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"},

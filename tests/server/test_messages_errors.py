@@ -7,59 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import pytest
+from engineless_app import KEY, asgi_request, engineless_app
 from openai_errors import assert_openai_error
 
-from engine.messages import EngineReady
-from server.app import ServerState, build_app
 from server.messages_serving import MessagesServing
-from server.metrics import ServerMetrics
-from server.openai_serving import OpenAIServing
 
-KEY = "sk-test"
 MESSAGE = json.dumps({"model": "tiny", "max_tokens": 5,
                       "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
 def build(api_keys=(KEY,), is_alive=True, max_body_bytes=2**20):
-    ready = EngineReady("tiny", 128, 96, "float32", "cpu", 8, 16, None, 0)
-    client = SimpleNamespace(is_alive=is_alive, ready=ready)
-    metrics = ServerMetrics("tiny", None, 0)
-    serving = OpenAIServing(client, None, "tiny", metrics, max_waiting_requests=4)
-    return build_app(ServerState(client, serving, metrics, api_keys=api_keys,
-                                 max_body_bytes=max_body_bytes))
+    return engineless_app(api_keys=api_keys, is_alive=is_alive, max_body_bytes=max_body_bytes)[0]
 
 
 def call(app, path: str, body: bytes = b"{}", headers: dict[str, str] | None = None,
          method: str = "POST") -> tuple[int, dict, bool]:
-    """One request through the ASGI app: (status, JSON body, whether the body was read)."""
-    was_read, sent = False, []
-
-    async def receive():
-        nonlocal was_read
-        was_read = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    headers = {"content-type": "application/json", "content-length": str(len(body)),
-               **(headers or {})}
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-             "root_path": "", "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000),
-             "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-    try:
-        asyncio.run(app(scope, receive, send))
-    except RuntimeError:  # an unexpected exception: answered first, then raised to be logged
-        pass
-    start = next(m for m in sent if m["type"] == "http.response.start")
-    payload = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    length = dict(start["headers"]).get(b"content-length")
-    assert length is None or int(length) == len(payload)
-    return start["status"], json.loads(payload), was_read
+    return asyncio.run(asgi_request(app, path, body, headers, method, raises=RuntimeError))
 
 
 def anthropic_error(body: dict, error_type: str) -> str:
