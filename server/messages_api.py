@@ -3,14 +3,16 @@ with errors that name Anthropic's fields (`messages.1.content.0.type`), then tra
 chat request that the one chat road serves (server/openai_serving.py `prepare_chat`).
 
 Everything the chat request would refuse is refused here first, under its Anthropic name, so the
-translation cannot fail. Fields of Anthropic's that change nothing here (`metadata`, `thinking`,
-`context_management`, `output_config`, `cache_control`, betas) are ignored.
+translation fails only on the schema of `output_config.format` (structured output, chat's
+`response_format`), also named as Anthropic names it. Fields of Anthropic's that change nothing here
+(`metadata`, `thinking`, `context_management`, `output_config.effort`, `cache_control`, betas) are
+ignored.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -41,6 +43,8 @@ from server.tools.tool_request import MAX_TOOLS, parse_tools
 
 # a chat tool's fields in parse_tools' messages, and their Anthropic names
 _CHAT_TOOL_FIELD = re.compile(r"tools\[(\d+)\]\.function\.(name|description|parameters)")
+# chat's structured-output field (and its schema's place in it), Anthropic's output_config.format
+_CHAT_RESPONSE_FORMAT = re.compile(r"response_format(\.json_schema)?")
 _ANTHROPIC_TOOL_FIELD = {"name": "name", "description": "description", "parameters": "input_schema"}
 
 
@@ -79,12 +83,13 @@ class MessagesCountTokensRequest(BaseModel):
                 if isinstance(tool, CustomTool) and not tool.defer_loading]
 
     def anthropic_names(self, text: str) -> str:
-        """`text` with chat's tool fields (`tools[0].function.parameters`) named as this request
-        names them (`tools.2.input_schema`)."""
+        """`text` with chat's fields (`tools[0].function.parameters`, `response_format`) named as
+        this request names them (`tools.2.input_schema`, `output_config.format`)."""
         indices = [index for index, _ in self.custom_tools]
 
         def rename(match: re.Match[str]) -> str:
             return f"tools.{indices[int(match[1])]}.{_ANTHROPIC_TOOL_FIELD[match[2]]}"
+        text = _CHAT_RESPONSE_FORMAT.sub("output_config.format", text)
         return _CHAT_TOOL_FIELD.sub(rename, text)
 
     def _check_tools(self) -> None:
@@ -170,6 +175,23 @@ class MessagesCountTokensRequest(BaseModel):
         return _chat_request({**self._chat_fields(False), "max_tokens": 1})
 
 
+class OutputFormat(BaseModel):
+    """Anthropic's structured output: the answer is JSON that validates against `schema`."""
+
+    model_config = STRICT
+
+    type: Literal["json_schema"]
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]
+
+
+class OutputConfig(BaseModel):
+    """`output_config`: `format` is enforced; `effort` and the rest are ignored."""
+
+    model_config = STRICT
+
+    format: OutputFormat | None = None
+
+
 class MessagesRequest(MessagesCountTokensRequest):
     """POST /v1/messages."""
 
@@ -183,20 +205,32 @@ class MessagesRequest(MessagesCountTokensRequest):
     stream: bool = False
     # specserve extra, as in chat
     speculative_decoding: SpeculativeDecodingOptions | None = None
+    # its `format` runs as chat's response_format (a grammar at every position, drafts included)
+    output_config: OutputConfig | None = None
 
     def to_chat_request(self) -> ChatCompletionRequest:
+        output_format = self.output_config and self.output_config.format
         given = {"max_tokens": self.max_tokens, "stop": self.stop_sequences,
+                 "response_format": None if output_format is None else {
+                     "type": "json_schema",
+                     "json_schema": {"name": "output", "schema": output_format.schema_,
+                                     "strict": True}},
                  "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                  "stream": self.stream,
                  "speculative_decoding": None if self.speculative_decoding is None
                  else self.speculative_decoding.model_dump()}
-        return _chat_request(
-            {**self._chat_fields(True), **{k: v for k, v in given.items() if v is not None}})
+        try:
+            return _chat_request(
+                {**self._chat_fields(True), **{k: v for k, v in given.items() if v is not None}})
+        except ApiError as error:  # the schema of output_config.format, as chat checks it
+            error.message = self.anthropic_names(error.message)
+            error.param = error.param and self.anthropic_names(error.param)
+            raise
 
 
 def _chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as error:  # NOTE: unreachable while the checks above are complete
+    except ValidationError as error:  # NOTE: only output_config.format's schema is checked here
         info = ErrorResponse.from_validation_errors(error.errors(include_url=False)).error
-        raise ApiError(400, f"this request has no chat equivalent: {info.message}") from None
+        raise ApiError(400, info.message, param=info.param) from None

@@ -12,6 +12,7 @@ import json
 import re
 
 import anthropic
+import jsonschema
 import pytest
 from live_server import LiveServer
 
@@ -132,8 +133,11 @@ def test_count_tokens_counts_the_tools(client) -> None:
       "tool_choice": {"type": "any"}}, anthropic.BadRequestError, "invalid_request_error",
      "tools.1.input_schema cannot be enforced"),
     ({"model": "claude-unknown"}, anthropic.NotFoundError, "not_found_error", "model"),
+    ({"extra_body": {"output_config": {"format": {"type": "json_schema", "schema": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}}}},
+     anthropic.BadRequestError, "invalid_request_error", "output_config.format"),
 ], ids=["image", "orphan_tool_result", "temperature", "tool_schema", "unenforceable_schema",
-        "unknown_model"])
+        "unknown_model", "unenforceable_output_format"])
 def test_bad_requests_get_anthropic_errors_naming_the_field(client, kw, error, error_type,
                                                             field) -> None:
     kw = {"model": MODEL, "max_tokens": 5, "messages": CAPITAL, **kw}
@@ -142,6 +146,21 @@ def test_bad_requests_get_anthropic_errors_naming_the_field(client, kw, error, e
     assert caught.value.body["type"] == "error"
     assert caught.value.body["error"]["type"] == error_type
     assert field in caught.value.body["error"]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_config_format_gives_json_of_that_schema(client, stream) -> None:
+    """Anthropic's structured output runs as chat's response_format: a grammar at every position,
+    drafts included, so the answer parses and validates whatever the small model would say."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    extra = {**GREEDY, "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    kw = {"messages": CAPITAL, "extra": extra, "max_tokens": 60}
+    message = stream_final(client, **kw)[0] if stream else create(client, **kw)
+    assert message.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(message.content[0].text), schema)
 
 
 @pytest.mark.slow
