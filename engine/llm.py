@@ -28,10 +28,11 @@ DEFAULT_CACHE_SALT = "offline"
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         """Keywords are EngineArgs' (engine/engine_args.py): dtype, quantization, device,
-        max_model_len (allow_long_max_model_len: above the trained length), max_num_seqs, max_num_batched_tokens, block_size, kv_cache_memory_gib,
-        num_kv_blocks, num_threads, gpu_kernels, enforce_eager (no CUDA graphs),
-        cuda_graph_max_seqs, batch_invariant (rows independent of their batch), speculative_config, tensor_parallel_size (and for several machines
-        nnodes, node_rank, master_addr, master_port)."""
+        max_model_len (allow_long_max_model_len: above the trained length), max_num_seqs,
+        max_num_batched_tokens, block_size, kv_cache_memory_gib, num_kv_blocks, num_threads,
+        gpu_kernels, enforce_eager (no CUDA graphs), cuda_graph_max_seqs, batch_invariant (rows
+        independent of their batch), speculative_config, tensor_parallel_size (and for several
+        machines nnodes, node_rank, master_addr, master_port)."""
         speculative_config = engine_args.pop("speculative_config", None)
         if isinstance(speculative_config, SpeculativeConfig):
             args = EngineArgs(model=model, **engine_args)
