@@ -1,5 +1,5 @@
-"""The API key check, as ASGI middleware in front of everything else: a request to /v1 without a
-valid key gets 401 before a byte of its body is read or parsed, so a client without a key costs the
+"""The API key check, as ASGI middleware in front of everything else: a request to /v1 (or to
+/tokenize and /detokenize) without a valid key gets 401 before a byte of its body is read or parsed, so a client without a key costs the
 server nothing but its headers.
 
 Each key is a tenant of its own (DESIGN.md "Tenancy"): the check puts the key's tenant, a digest
@@ -20,6 +20,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from server.errors import ApiError
 
 PROTECTED_PREFIX = "/v1"
+# outside /v1 but costly (a chat template rendered, a text tokenized): keyed too
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
 # where the check leaves the tenant in the ASGI scope's "state" (Request.state.api_key_tenant)
 TENANT_STATE_KEY = "api_key_tenant"
 
@@ -66,7 +68,8 @@ class ApiKeyCheck:
 
 
 def _is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    return (path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+            or path in PROTECTED_PATHS)
 
 
 async def _unauthorized(send: Send) -> None:

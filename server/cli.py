@@ -56,8 +56,9 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", action="append", default=None,
-                       help=f"require `Authorization: Bearer KEY` on /v1; repeat it for several "
-                            f"keys, each its own cache tenant (default: ${API_KEY_ENV}, one key; "
+                       help=f"require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on /v1, "
+                            f"/tokenize and /detokenize; repeat it for several keys, each its "
+                            f"own cache tenant (default: ${API_KEY_ENV}, one key; "
                             f"none set: no key is asked for; set but empty: refused)")
     serve.add_argument("--api-key-file", default=None,
                        help="a file of API keys, one per line (blank lines and lines starting "

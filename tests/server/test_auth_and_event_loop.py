@@ -24,7 +24,8 @@ async def call(app, path: str, headers: dict[str, str], body: bytes):
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"},
                                      {"authorization": f"Basic {KEY}"},
                                      {"authorization": "Bearer "}])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/models"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/models",
+                                  "/tokenize", "/detokenize"])
 def test_a_bad_key_gets_401_before_the_body_is_read(headers, path):
     app, _ = app_with_key()
     big = json.dumps({"prompt": "x" * 100_000, "max_tokens": 1}).encode()
