@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -30,6 +31,57 @@ GREEDY_TEMPERATURE = 1e-5
 SEED_RANGE = 2**63
 
 
+# integers a request may give are bounded, so that none overflows where it crosses to the engine
+MAX_INT32 = 2**31 - 1
+# the dataclass-field metadata key of a knob's declaration
+_KNOB = "knob"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """The values a knob takes: low .. high, the low end open or closed."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value <= self.high  # NOTE: NaN is in no interval
+
+    def __str__(self) -> str:
+        def number(value: float) -> str:
+            return str(value) if isinstance(value, int) else f"{value:g}"
+
+        return f"{'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}]"
+
+
+@dataclass(frozen=True)
+class Knob:
+    # what SamplingParams accepts (the offline LLM's range)
+    valid: Interval
+    # what the HTTP APIs accept (OpenAI's range where it is narrower)
+    api: Interval
+    # what the values mean, for the error message, where the interval alone does not say
+    hint: str = ""
+
+
+def knob(default: float, valid: Interval, api: Interval | None = None, hint: str = "") -> Any:
+    """A per-request sampling knob, declared once: SamplingParams checks it against `valid`, and
+    the HTTP APIs take it as an optional field of the same name bounded by `api`
+    (server/api_requests.py), which --override-generation-config may default
+    (server/sampling_defaults.py)."""
+    return dataclasses.field(default=default,
+                             metadata={_KNOB: Knob(valid, valid if api is None else api, hint)})
+
+
+@functools.cache
+def sampling_knobs() -> dict[str, tuple[type, Knob]]:
+    """SamplingParams' knobs in declaration order: name -> (int or float, declaration)."""
+    return {f.name: (type(f.default), f.metadata[_KNOB]) for f in dataclasses.fields(SamplingParams)
+            if _KNOB in f.metadata}
+
+
 def child_seed(seed: int | None, index: int) -> int | None:
     """The seed of completion `index` of n: seed + index, wrapped so it never leaves the range."""
     return None if seed is None else (seed + index) % SEED_RANGE
@@ -37,13 +89,15 @@ def child_seed(seed: int | None, index: int) -> int | None:
 
 @dataclass(frozen=True)
 class SamplingParams:
+    # ---- knobs (knob(...)): each one's HTTP field and check come from its declaration; the
+    # ones that reshape a row's distribution also have a law in engine/sample/row_laws.py ----
     # below GREEDY_TEMPERATURE (0 included) = greedy (argmax); otherwise logits are divided by it
-    # before softmax
-    temperature: float = 1.0
+    # before softmax (HTTP: OpenAI's range)
+    temperature: float = knob(1.0, Interval(0.0, 100.0), api=Interval(0.0, 2.0))
     # nucleus sampling: keep the smallest set of tokens whose probability mass reaches top_p
-    top_p: float = 1.0
+    top_p: float = knob(1.0, Interval(0.0, 1.0, low_open=True))
     # keep only the top_k most likely tokens; 0 or -1 = all
-    top_k: int = 0
+    top_k: int = knob(0, Interval(-1, MAX_INT32), hint="-1 and 0 keep every token")
     # a seeded request's random numbers are keyed by (seed, output position): the same seed gives
     # the same tokens run to run, and with one-hot drafts (or none) whatever the speculation
     seed: int | None = None
@@ -66,17 +120,18 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
     # ---- logits processing, applied at every position as if decoding one token at a time ----
     # subtracted from a token's logit once if it occurs in the output so far (not the prompt)
-    presence_penalty: float = 0.0
+    presence_penalty: float = knob(0.0, Interval(-MAX_PENALTY, MAX_PENALTY))
     # subtracted from a token's logit once per occurrence in the output so far (not the prompt)
-    frequency_penalty: float = 0.0
+    frequency_penalty: float = knob(0.0, Interval(-MAX_PENALTY, MAX_PENALTY))
     # tokens in the prompt or the output so far: a positive logit is divided by it, a negative one
     # multiplied (vLLM / transformers); 1 = off
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = knob(1.0, Interval(1.0 / MAX_REPETITION_PENALTY,
+                                                   MAX_REPETITION_PENALTY))
     # added to the logits of these token ids: ((token id, bias), ...) sorted by id; a mapping
     # {token id: bias} or a list of pairs is accepted and normalised
     logit_bias: tuple[tuple[int, float], ...] = ()
     # after temperature, drop tokens less likely than min_p times the most likely one; 0 = off
-    min_p: float = 0.0
+    min_p: float = knob(0.0, Interval(0.0, 1.0))
     # structured output: the canonical key of a ResponseFormat (engine/structured/), None = free
     # text; an OpenAI `response_format` dict (or a ResponseFormat) is accepted and normalised
     response_format: str | None = None
@@ -91,12 +146,11 @@ class SamplingParams:
         if self.response_format is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with response_format: the grammar may "
                              "end the output before min_tokens, where only EOS is allowed")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or positive, got {self.top_k}")
+        for name, (_, declaration) in sampling_knobs().items():
+            value = getattr(self, name)
+            if value not in declaration.valid:
+                hint = f" ({declaration.hint})" if declaration.hint else ""
+                raise ValueError(f"{name} must be in {declaration.valid}{hint}, got {value}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -120,15 +174,6 @@ class SamplingParams:
             raise ValueError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
-                                 f"got {getattr(self, name)}")
-        if not 1.0 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise ValueError(f"repetition_penalty must be in [{1.0 / MAX_REPETITION_PENALTY:g}, "
-                             f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
 
     def for_completion(self, index: int) -> SamplingParams:
         """Completion `index` of n: each is its own engine request (n = 1), a seeded one with a

@@ -15,19 +15,21 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
+    create_model,
     field_validator,
     model_validator,
 )
 
 from engine.sampling_params import (
+    MAX_INT32,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
-    MAX_PENALTY,
-    MAX_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
+    Knob,
     SamplingParams,
+    sampling_knobs,
 )
 from engine.structured import ResponseFormat, parse_response_format
 from server.tools.parsed_calls import FUNCTION_NAME
@@ -35,12 +37,10 @@ from server.tools.tool_request import FunctionSpec, ToolChoice, parse_tool_choic
 
 # NOTE: token ids get no upper bound here; the server checks them against the vocabulary
 TokenId = Annotated[int, Field(ge=0)]
-MAX_INT32 = 2**31 - 1
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 # cache_salt: long enough for any digest or tenant name, short enough to cost nothing
 MAX_CACHE_SALT_CHARS = 256
-Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False)]
 LogitBias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 # logit_bias keys: token ids written as decimal integers, as OpenAI's SDKs send them (JSON object
 # keys are strings); ten digits hold any vocabulary
@@ -97,19 +97,31 @@ def _not_implemented(value: Any, *neutral: Any) -> Any:
     return value
 
 
-class _GenerationRequest(BaseModel):
-    """Fields that Completions and Chat Completions share. None means the engine's default."""
+def _knob_field(kind: type, declaration: Knob) -> tuple[Any, None]:
+    """An optional request field for a SamplingParams knob, bounded by its `api` interval. NaN and
+    Infinity (which Python's JSON reader accepts) get a message of their own."""
+    interval = declaration.api
+    bounds = {"gt" if interval.low_open else "ge": interval.low, "le": interval.high}
+    if kind is float:
+        bounds["allow_inf_nan"] = False
+    return Annotated[kind, Field(**bounds)] | None, None
+
+
+# SamplingParams' knobs (temperature, top_p, top_k, the penalties, min_p: engine/sampling_params.py
+# declares each once, with its range) as request fields of the same names, None = the default:
+# chat's, completions' and the Responses API's
+SamplingKnobFields = create_model(
+    "SamplingKnobFields", __config__=ConfigDict(strict=True, extra="ignore"),
+    **{name: _knob_field(kind, declaration) for name, (kind, declaration) in sampling_knobs().items()})
+
+
+class _GenerationRequest(SamplingKnobFields):
+    """Fields that Completions and Chat Completions share, beside the sampling knobs. None means
+    the engine's default."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
     model: Name | None = None
-    # OpenAI's range; the offline SamplingParams accepts more. NaN and Infinity (which Python's
-    # JSON reader accepts) get a message of their own.
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    # extension (vLLM): -1 or 0 = no top-k. NOTE: integers are bounded wherever the schema allows
-    # any size, so a huge one is a 400 here, not an overflow when the request crosses to the engine
-    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     # NOTE: stream comes before stream_options: the latter's validator reads it
     stream: bool = False
@@ -117,9 +129,6 @@ class _GenerationRequest(BaseModel):
     # a lone string is normalised to a one-item list
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    # OpenAI's ranges; applied at every position, drafts included (engine/sample/penalties.py)
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
     # {"token id": bias}; the server checks the ids against the vocabulary
     logit_bias: Annotated[dict[str, LogitBias],
                           Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
@@ -127,10 +136,6 @@ class _GenerationRequest(BaseModel):
     # not implemented: 400 unless neutral (null, 1 or n), on both endpoints
     best_of: Any = None
     # extensions (vLLM)
-    repetition_penalty: Annotated[float, Field(ge=1.0 / MAX_REPETITION_PENALTY,
-                                               le=MAX_REPETITION_PENALTY,
-                                               allow_inf_nan=False)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -191,17 +196,11 @@ class _GenerationRequest(BaseModel):
         spec = self.speculative_decoding
         grammar = grammar or self.response_format
         given = {
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
+            **{name: getattr(self, name) for name in sampling_knobs()},
             "seed": self.seed,
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "num_speculative_tokens": spec.num_speculative_tokens_cap if spec else None,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "min_p": self.min_p,
             "logit_bias": None if self.logit_bias is None else {
                 int(key): value for key, value in self.logit_bias.items()},
             "response_format": None if grammar is None else grammar.key,

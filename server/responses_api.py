@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from engine.sampling_params import MAX_REPETITION_PENALTY, MAX_STOP_STRINGS
+from engine.sampling_params import MAX_STOP_STRINGS
 from engine.structured import ResponseFormatError, parse_response_format
 from server.api_requests import (
     MAX_ARGUMENTS_CHARS,
@@ -22,7 +22,7 @@ from server.api_requests import (
     MAX_NAME_CHARS,
     MAX_STOP_TOKEN_IDS,
     Name,
-    Penalty,
+    SamplingKnobFields,
     SpeculativeDecodingOptions,
     StopString,
     TokenId,
@@ -183,7 +183,7 @@ def chat_response_format(fmt: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(SamplingKnobFields):
     """POST /v1/responses. None means the engine's default, as in chat."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
@@ -202,18 +202,10 @@ class ResponsesRequest(BaseModel):
     prompt: Any = None
     stream: bool = False
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
-    # the chat request's sampling fields and extras, under the same names and bounds
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=MAX_INT32)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
+    # the chat request's sampling fields and extras, under the same names and bounds (the knobs,
+    # temperature, top_p…, come with SamplingKnobFields)
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    presence_penalty: Penalty | None = None
-    frequency_penalty: Penalty | None = None
-    repetition_penalty: Annotated[float, Field(ge=1.0 / MAX_REPETITION_PENALTY,
-                                               le=MAX_REPETITION_PENALTY,
-                                               allow_inf_nan=False)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_INT32)] = 0
     ignore_eos: bool = False
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None

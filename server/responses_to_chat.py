@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engine.sampling_params import sampling_knobs
 from server.api_requests import ChatCompletionRequest
 from server.errors import ApiError, ErrorResponse
 from server.responses_api import InputItem, ResponsesRequest, chat_response_format
@@ -80,15 +81,9 @@ def to_chat(request: ResponsesRequest, history: Sequence[InputItem] = ()) -> Cha
         "model": request.model,
         "messages": messages,
         "max_completion_tokens": request.max_output_tokens,
-        "temperature": request.temperature,
-        "top_p": request.top_p,
-        "top_k": request.top_k,
-        "min_p": request.min_p,
+        **{name: getattr(request, name) for name in sampling_knobs()},
         "seed": request.seed,
         "stop": request.stop,
-        "presence_penalty": request.presence_penalty,
-        "frequency_penalty": request.frequency_penalty,
-        "repetition_penalty": request.repetition_penalty,
         "min_tokens": request.min_tokens,
         "ignore_eos": request.ignore_eos,
         "stop_token_ids": request.stop_token_ids,

@@ -9,11 +9,10 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, sampling_knobs
 
-# the request fields a default may be given for: the per-request sampling knobs every API shares
-DEFAULTABLE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
-                      "frequency_penalty", "repetition_penalty")
+# the request fields a default may be given for: SamplingParams' knobs, which every API shares
+DEFAULTABLE_FIELDS = tuple(sampling_knobs())
 
 Request = TypeVar("Request", bound=BaseModel)
 

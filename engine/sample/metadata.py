@@ -12,6 +12,7 @@ from engine.draft_tree import depths, row_paths, sibling_ranks
 from engine.request import Request
 from engine.sample.keyed_random import FIRST_ACCEPTANCE_STREAM, SAMPLE_STREAM
 from engine.sample.penalties import PenaltyMetadata
+from engine.sample.row_laws import ROW_LAWS, RowLaw
 from engine.sample.transfer import to_device
 
 
@@ -20,21 +21,16 @@ class SamplingMetadata:
     # ---- per sampling request, in batch order ----
     # [batch] bool
     is_greedy: torch.Tensor
-    # [batch] float32: the divisor of the logits (1 for greedy requests, which never use p)
-    temperature: torch.Tensor
-    # [batch] int64: keep the top_k most likely tokens; 0 = all
-    top_k: torch.Tensor
-    # [batch] float32: nucleus mass; 1 = all
-    top_p: torch.Tensor
+    # the row laws (engine/sample/row_laws.py) some request of the step uses, in their order, each
+    # with its [batch] values (greedy requests' neutral) and the same as host numbers; a law no
+    # request uses is left out, and the sampler skips it
+    row_laws: list[tuple[RowLaw, torch.Tensor, list]]
     # ---- per logits row ----
     # [num_rows] int64: the sampling request each row belongs to
     request_of_row: torch.Tensor
     # ---- what the sampler may skip (host) ----
     is_all_greedy: bool
     has_greedy: bool
-    # the largest top_k of a random request, 0 when none truncates
-    max_top_k: int
-    has_top_p: bool
     # ---- seeded random requests: their uniforms are keyed by (seed, output position, stream) ----
     # (request, k) in batch order: each has 2k + 1 uniforms per step, acceptance ones first
     seeded: list[tuple[Request, int]]
@@ -56,8 +52,47 @@ class SamplingMetadata:
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     # presence / frequency / repetition penalties (engine/sample/penalties.py)
     penalties: PenaltyMetadata | None = None
-    # [batch] float32: min_p of each request (0 = off; greedy requests 0)
-    min_p: torch.Tensor | None = None
+
+    def law_values(self, name: str) -> torch.Tensor | None:
+        """The [batch] values of the row law `name`; None when no request of the step uses it."""
+        return next((values for law, values, _ in self.row_laws if law.name == name), None)
+
+    def _law_values_or_neutral(self, name: str) -> torch.Tensor:
+        values = self.law_values(name)
+        if values is not None:
+            return values
+        law = next(law for law in ROW_LAWS if law.name == name)
+        return torch.full(self.is_greedy.shape, law.neutral, dtype=law.dtype,
+                          device=self.is_greedy.device)
+
+    @property
+    def temperature(self) -> torch.Tensor:
+        """[batch] float32: the divisor of the logits (1 for greedy requests, which never use p)."""
+        return self._law_values_or_neutral("temperature")
+
+    @property
+    def top_k(self) -> torch.Tensor:
+        """[batch] int64: keep the top_k most likely tokens; 0 = all."""
+        return self._law_values_or_neutral("top_k")
+
+    @property
+    def top_p(self) -> torch.Tensor:
+        """[batch] float32: nucleus mass; 1 = all."""
+        return self._law_values_or_neutral("top_p")
+
+    @property
+    def min_p(self) -> torch.Tensor | None:
+        """[batch] float32: min_p of each request (0 = off); None when no request uses it."""
+        return self.law_values("min_p")
+
+    @property
+    def max_top_k(self) -> int:
+        """The largest top_k of a random request, 0 when none truncates."""
+        return max(next((host for law, _, host in self.row_laws if law.name == "top_k"), [0]))
+
+    @property
+    def has_top_p(self) -> bool:
+        return self.law_values("top_p") is not None
 
     @classmethod
     def build(cls, requests: list[Request], num_drafts: list[int], logits_starts: list[int],
@@ -88,7 +123,9 @@ class SamplingMetadata:
         """row_drafts[i]: the drafts (indices into requests[i]'s) before each of its rows, one
         list per row; draft_parents: a verification's (keyed uniforms), None for drafting."""
         num_draft_tokens = sum(num_drafts)
-        is_greedy, temperature, top_k, top_p, request_of_row = [], [], [], [], []
+        is_greedy: list[bool] = []
+        request_of_row: list[int] = []
+        law_values: list[list[float | int]] = [[] for _ in ROW_LAWS]
         seeded: list[tuple[Request, int]] = []
         seeded_batch_indices: list[int] = []
         seeded_index: list[int] = []
@@ -96,7 +133,6 @@ class SamplingMetadata:
         banned_rows: list[int] = []
         banned_ids: list[int] = []
         logprobs_requests, num_top = [], []
-        min_p: list[float] = []
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_values: list[float] = []
@@ -106,9 +142,8 @@ class SamplingMetadata:
         for index, (request, k, row) in enumerate(zip(requests, num_drafts, logits_starts)):
             params = request.params
             is_greedy.append(params.is_greedy)
-            temperature.append(1.0 if params.is_greedy else params.temperature)
-            top_k.append(0 if params.is_greedy else max(params.top_k, 0))
-            top_p.append(1.0 if params.is_greedy else params.top_p)
+            for law, values in zip(ROW_LAWS, law_values):
+                values.append(law.value(params))
             paths = row_drafts[index]
             request_of_row += [index] * len(paths)
             if draft_parents is not None and params.seed is not None and not params.is_greedy:
@@ -129,7 +164,6 @@ class SamplingMetadata:
             if params.logprobs is not None:
                 logprobs_requests.append(index)
                 num_top.append(params.logprobs)
-            min_p.append(0.0 if params.is_greedy else params.min_p)
             if params.logit_bias:
                 ids, values = zip(*params.logit_bias)
                 for offset in range(len(paths)):
@@ -140,12 +174,10 @@ class SamplingMetadata:
                 penalised.append(index)
             draft_starts.append(draft_start)
             draft_start += k
-        greedy_ints, top_k_t, rows_t, seeded_t, banned_rows_t, banned_ids_t = to_device(
-            [is_greedy, top_k, request_of_row, seeded_index, banned_rows, banned_ids], torch.int64,
+        greedy_ints, rows_t, seeded_t, banned_rows_t, banned_ids_t = to_device(
+            [is_greedy, request_of_row, seeded_index, banned_rows, banned_ids], torch.int64,
             device)
-        has_min_p = any(p > 0.0 for p in min_p)
-        temperature_t, top_p_t, *min_p_t = to_device(
-            [temperature, top_p] + ([min_p] if has_min_p else []), torch.float32, device)
+        row_laws = _used_row_laws(law_values, device)
         logit_bias = None
         if bias_rows:
             bias_rows_t, bias_ids_t = to_device([bias_rows, bias_ids], torch.int64, device)
@@ -158,14 +190,10 @@ class SamplingMetadata:
                 [draft_starts[i] for i in penalised], [row_drafts[i] for i in penalised], device)
         return cls(
             is_greedy=greedy_ints.bool(),
-            temperature=temperature_t,
-            top_k=top_k_t,
-            top_p=top_p_t,
+            row_laws=row_laws,
             request_of_row=rows_t,
             is_all_greedy=all(is_greedy),
             has_greedy=any(is_greedy),
-            max_top_k=max(top_k, default=0),
-            has_top_p=any(p < 1.0 for p in top_p),
             seeded=seeded,
             seeded_batch_indices=seeded_batch_indices,
             seeded_uniform_index=seeded_t if seeded else None,
@@ -176,8 +204,21 @@ class SamplingMetadata:
             num_top_logprobs=num_top,
             logit_bias=logit_bias,
             penalties=penalties,
-            min_p=min_p_t[0] if has_min_p else None,
         )
+
+
+def _used_row_laws(law_values: list[list[float | int]], device: torch.device
+                   ) -> list[tuple[RowLaw, torch.Tensor, list]]:
+    """The row laws some request moves from neutral, with their values on the device (one copy per
+    dtype)."""
+    used = [(law, values) for law, values in zip(ROW_LAWS, law_values)
+            if any(value != law.neutral for value in values)]
+    tensors: dict[str, torch.Tensor] = {}
+    for dtype in dict.fromkeys(law.dtype for law, _ in used):
+        group = [(law, values) for law, values in used if law.dtype == dtype]
+        for (law, _), tensor in zip(group, to_device([v for _, v in group], dtype, device)):
+            tensors[law.name] = tensor
+    return [(law, tensors[law.name], values) for law, values in used]
 
 
 def uniform_keys(seed: int, num_output_tokens: int, parents: list[int] | None,

@@ -4,9 +4,9 @@ and calls the same functions), so p and q are compared like with like, and a new
 parameter is added here once.
 
 In vLLM's order: min_tokens bans and logit_bias, then the penalties (engine/sample/penalties.py),
-then argmax for greedy requests or, for random ones, temperature, min_p, top-k and top-p, with
-per-row parameters applied to all rows at once (sampling metadata). Every draw is an inverse CDF at
-one uniform. An unseeded request's uniforms come from one batched draw on the device; a seeded
+then argmax for greedy requests or, for random ones, the row laws (engine/sample/row_laws.py:
+temperature, min_p, top-k and top-p), with per-row parameters applied to all rows at once
+(sampling metadata). Every draw is an inverse CDF at one uniform. An unseeded request's uniforms come from one batched draw on the device; a seeded
 request's are keyed by (seed, output position, stream) (engine/sample/keyed_random.py), computed on
 the host, so its tokens depend on neither the batch, the device, nor how many numbers earlier steps
 used (draft lengths, cache hits).
@@ -26,53 +26,13 @@ from engine.sample.penalties import apply_penalties
 from kernels.rejection_reference import to_fixed_point
 
 
-def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """Mask (to -inf) all but each row's top_k logits; ties with the k-th are kept.
-    logits: [rows, vocab]; top_k: [rows] int64, 0 = all; max_top_k: top_k's largest value."""
-    max_top_k = min(max_top_k, logits.shape[-1])
-    if max_top_k == 0:
-        return logits
-    top_values = torch.topk(logits, max_top_k, dim=-1).values  # [rows, max_top_k]
-    kth = top_values.gather(-1, (top_k.clamp(1, max_top_k) - 1)[:, None])  # [rows, 1]
-    kth = torch.where(top_k[:, None] > 0, kth, float("-inf"))  # a row without top-k keeps all
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what lies outside each row's nucleus: a token goes when the mass of the tokens
-    before it already reaches top_p, so the top token always stays. logits: [rows, vocab]; top_p:
-    [rows], 1 = all."""
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [rows, vocab]
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [rows, vocab]
-    # NOTE: a row with top_p = 1 drops nothing, though its rounded mass may pass 1; the top token's
-    # mass before is exactly 0, so a limit above 0 keeps it even where a tiny top_p (1e-50) rounds
-    # to 0 in float32, which would drop every token
-    smallest = torch.finfo(torch.float32).tiny
-    limit = torch.where(top_p < 1.0, top_p.clamp_min(smallest), float("inf"))[:, None]  # [rows, 1]
-    drop = torch.zeros_like(order, dtype=torch.bool).scatter(-1, order, mass_before >= limit)
-    return logits.masked_fill(drop, float("-inf"))
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) the tokens less likely than min_p times each row's most likely token (vLLM),
-    compared in log space: logit - max < log(min_p). logits: [rows, vocab], tempered; min_p:
-    [rows], 0 = all."""
-    top = logits.amax(dim=-1, keepdim=True)  # [rows, 1]
-    return logits.masked_fill(logits - top < min_p.to(logits.dtype).log()[:, None], float("-inf"))
-
-
 def target_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """p for every row: [num_rows, vocab] float32. Greedy rows come out untruncated at temperature 1;
     the rejection sampler never reads them."""
     rows = metadata.request_of_row  # [num_rows]
-    logits = logits.float() / metadata.temperature[rows, None]
-    if metadata.min_p is not None:
-        logits = apply_min_p(logits, metadata.min_p[rows])
-    if metadata.max_top_k:
-        logits = apply_top_k(logits, metadata.top_k[rows], metadata.max_top_k)
-    if metadata.has_top_p:
-        logits = apply_top_p(logits, metadata.top_p[rows])
+    logits = logits.float()
+    for law, values, step_values in metadata.row_laws:
+        logits = law.apply(logits, values[rows], step_values)
     # NOTE: a row whose largest logit is NaN or +inf, or that is all -inf, comes out of softmax all
     # NaN (its denominator is NaN); zeros say "no mass" to the samplers, at a fraction of the cost
     # of a masked fill

@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine.sample.row_laws as row_laws_module
 import engine.sample.sampler as sampler_module
 from engine.request import Request
 from engine.sample.drafting import sample_drafts
-from engine.sample.sampler import apply_min_p, process_logits, target_probs
+from engine.sample.row_laws import apply_min_p
+from engine.sample.sampler import process_logits, target_probs
 from engine.sampling_params import SamplingParams
 from engine.step.layout import StepLayout
 from engine.step.rejection import RejectionSampler
@@ -181,7 +183,7 @@ def test_a_step_without_these_parameters_builds_and_does_nothing(monkeypatch) ->
         raise AssertionError("no request uses penalties")
 
     monkeypatch.setattr(sampler_module, "apply_penalties", forbidden)
-    monkeypatch.setattr(sampler_module, "apply_min_p", forbidden)
+    monkeypatch.setattr(row_laws_module, "apply_min_p", forbidden)
     requests = [make_request("a", [1, 2], [3, 3], temperature=0.7, top_k=3),
                 make_request("b", [1], [4], temperature=0.0)]
     layout = layout_of(requests, [[3, 3], [4]])

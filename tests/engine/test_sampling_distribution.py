@@ -38,7 +38,7 @@ from sampling_law import (
     sample,
 )
 
-import engine.sample.sampler as sampler_module
+import engine.sample.row_laws as row_laws_module
 import engine.step.rejection as rejection_module
 import kernels.rejection_reference as reference_module
 from kernels import rejection_sample_reference
@@ -146,8 +146,8 @@ def bonus_from_the_last_draft_row(**args):
 def temperature_after_top_p(logits, metadata):
     """Truncates (top-k, top-p) the untempered distribution, then applies the temperature."""
     rows = metadata.request_of_row
-    kept = sampler_module.apply_top_k(logits.float(), metadata.top_k[rows], metadata.max_top_k)
-    kept = sampler_module.apply_top_p(kept, metadata.top_p[rows])
+    kept = row_laws_module.apply_top_k(logits.float(), metadata.top_k[rows], metadata.max_top_k)
+    kept = row_laws_module.apply_top_p(kept, metadata.top_p[rows])
     return (kept / metadata.temperature[rows, None]).softmax(dim=-1)
 
 

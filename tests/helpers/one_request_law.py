@@ -8,7 +8,8 @@ import torch
 
 from engine.request import Request
 from engine.sample.drafting import draft_logits
-from engine.sample.sampler import apply_top_k, apply_top_p, draft_probs
+from engine.sample.row_laws import apply_top_k, apply_top_p
+from engine.sample.sampler import draft_probs
 from engine.sampling_params import SamplingParams
 
 
