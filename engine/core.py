@@ -186,8 +186,7 @@ class EngineCore:
                 updates.append(ended)
             else:
                 update.finish_reason, update.stop_reason = ended.finish_reason, None
-                update.error, update.spec_stats = error, ended.spec_stats
-                update.num_cached_tokens = ended.num_cached_tokens
+                update.error, update.report = error, ended.report
 
     def _account(self, scheduled: SchedulerOutput, sampled: list[SampledTokens],
                  choices: list[DraftChoice], start: float, verified: float,

@@ -111,9 +111,8 @@ class LLM:
             result.finished = True
             result.spec_stats = SpecStats.merged([c.spec_stats for c in result.outputs
                                                   if c.spec_stats is not None])
-            result.num_cached_tokens = max(
-                trackers[f"{result.request_id}-{c.index}"][1].num_cached_tokens
-                for c in result.outputs)
+            result.num_cached_tokens = max(c.report.num_cached_tokens if c.report else 0
+                                           for c in result.outputs)
         return results
 
     def _apply(self, update: RequestUpdate,
@@ -127,7 +126,7 @@ class LLM:
         completion.logprobs = tracker.logprobs
         completion.text = tracker.text
         completion.finish_reason, completion.stop_reason = tracker.finish_reason, tracker.stop_reason
-        completion.spec_stats = tracker.spec_stats
+        completion.report = tracker.report
         completion.error = completion.error or update.error
         return finished
 

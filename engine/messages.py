@@ -18,6 +18,7 @@ from typing import Any
 import msgpack
 
 from engine.request import FinishReason, TokenLogprobs
+from engine.request_report import RequestReport
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
 from engine.step.types import RequestUpdate, StepStats
@@ -83,7 +84,7 @@ class EngineFailed:
 # every dataclass that crosses the queue, messages and the values inside them, by name
 WIRE_TYPES = {cls.__name__: cls for cls in (
     AddRequest, AbortRequests, Shutdown, EngineReady, RequestUpdate, StepStats, EngineOutputs,
-    RequestRejected, EngineFailed, SamplingParams, SpecStats, TokenLogprobs)}
+    RequestRejected, EngineFailed, SamplingParams, RequestReport, SpecStats, TokenLogprobs)}
 # the (str) enums among their fields, by name: msgpack sends their value, the field's annotation
 # names the enum to rebuild
 WIRE_ENUMS = {cls.__name__: cls for cls in (FinishReason,)}

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import FinishReason, TokenLogprobs
+from engine.request_report import RequestReport
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
 from engine.step.types import RequestUpdate
@@ -49,9 +50,8 @@ class CompletionTracker:
         self.finish_reason: str | None = None
         # the stop token id or stop string that ended it, if one did
         self.stop_reason: int | str | None = None
-        self.spec_stats: SpecStats | None = None
-        # prompt tokens whose K/V the prefix cache held (known once it finishes)
-        self.num_cached_tokens = 0
+        # what the engine reports of the request (known once it finishes)
+        self.report: RequestReport | None = None
         # True when a stop string ended it here: the engine does not know and must be told to abort
         self.needs_abort = False
         self._num_streamed_chars = 0
@@ -66,15 +66,23 @@ class CompletionTracker:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        return None if self.report is None else self.report.spec_stats
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose K/V the prefix cache held (0 until it finishes)."""
+        return 0 if self.report is None else self.report.num_cached_tokens
+
     def apply(self, update: RequestUpdate) -> bool:
         """Fold in one engine update (the server's and the offline LLM's alike); True when this
         completion has just finished."""
         new_token_ids, new_logprobs = update.new_token_ids, update.new_logprobs
         finish_reason = (None if update.finish_reason is None
                          else FinishReason(update.finish_reason).value)
-        if update.spec_stats is not None:
-            self.spec_stats = update.spec_stats
-        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
+        if update.report is not None:
+            self.report = update.report
         if self.finished:
             return False  # already ended here by a stop string; this is the engine's abort echo
         num_taken = len(new_token_ids)

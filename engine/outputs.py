@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import TokenLogprobs
+from engine.request_report import RequestReport
 from engine.spec_stats import SpecStats
 
 
@@ -21,10 +22,15 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # per generated token when SamplingParams.logprobs is set
     logprobs: list[TokenLogprobs] | None = None
-    # this completion's speculation: drafts proposed and accepted, α, τ
-    spec_stats: SpecStats | None = None
+    # what the engine reported of it once it ended (engine/request_report.py)
+    report: RequestReport | None = None
     # why the engine ended it, with finish_reason "error" (the other requests went on)
     error: str | None = None
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """This completion's speculation: drafts proposed and accepted, α, τ."""
+        return None if self.report is None else self.report.spec_stats
 
     @property
     def cumulative_logprob(self) -> float | None:

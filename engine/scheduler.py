@@ -17,6 +17,7 @@ from engine.draft_tree import row_parents
 from engine.failures import run_isolated
 from engine.kv.block_manager import BlockManager
 from engine.request import FinishReason, Request, RequestStatus
+from engine.request_report import RequestReport
 from engine.step.layout import DraftProposal, DraftTokens, StepLayout
 from engine.step.scheduler_output import SchedulerOutput
 from engine.step.types import (
@@ -84,8 +85,8 @@ class Scheduler:
         else:
             self.running.remove(request)
         self._finish(request, reason)
-        return RequestUpdate(request_id, [], None, reason, spec_stats=request.spec_stats,
-                             num_cached_tokens=request.num_cached_tokens, error=error)
+        return RequestUpdate(request_id, [], None, reason, report=RequestReport.of(request),
+                             error=error)
 
     def update_draft_token_ids(self, drafts: DraftTokens) -> None:
         """Take the drafts proposed for the next step; an empty proposal clears the request's draft.
@@ -243,8 +244,7 @@ class Scheduler:
         if update.finish_reason is not None:
             self.running.remove(request)
             self._finish(request, update.finish_reason, update.stop_reason)
-            update.spec_stats = request.spec_stats
-            update.num_cached_tokens = request.num_cached_tokens
+            update.report = RequestReport.of(request)
         return update
 
     @property

@@ -5,6 +5,7 @@ They keep OpenAI's shapes and explicit nulls so the official `openai` SDK parses
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Annotated, ClassVar, Literal
@@ -18,6 +19,7 @@ from pydantic import (
     model_serializer,
 )
 
+from engine.request_report import RequestReport
 from engine.spec_stats import SpecStats
 
 # "abort" is not OpenAI's, but vLLM sends it when the server cancels a request (e.g. on shutdown)
@@ -110,15 +112,34 @@ class SpeculativeDecodingMetrics(BaseModel):
         })
 
 
+# RequestReport's numbers that the response shows in places of their own: the speculation payload,
+# and usage's cached tokens
+REPORT_FIELDS_SHOWN_ELSEWHERE = ("spec_stats", "num_cached_tokens")
+
+
 class ResponseMetrics(BaseModel):
-    """The `metrics` response extra, beside `usage`."""
+    """The `metrics` response extra, beside `usage`: the speculation payload, and every other number
+    the engine reports of a request (engine/request_report.py), summed over the choices, under the
+    report's own names, so a number the report gains reaches clients without a line here."""
+
+    model_config = ConfigDict(extra="allow")
 
     speculative_decoding: SpeculativeDecodingMetrics
 
     @classmethod
-    def from_spec_stats(cls, stats: SpecStats, num_spec_tokens: int) -> ResponseMetrics:
+    def from_spec_stats(cls, stats: SpecStats, num_spec_tokens: int,
+                        **numbers: float) -> ResponseMetrics:
         return cls(speculative_decoding=SpeculativeDecodingMetrics.from_spec_stats(
-            stats, num_spec_tokens))
+            stats, num_spec_tokens), **numbers)
+
+    @classmethod
+    def of(cls, reports: list[RequestReport], num_spec_tokens: int) -> ResponseMetrics:
+        """The metrics of a response whose choices ended with these reports."""
+        numbers = {f.name: sum(getattr(report, f.name) for report in reports)
+                   for f in dataclasses.fields(RequestReport)
+                   if f.name not in REPORT_FIELDS_SHOWN_ELSEWHERE}
+        return cls.from_spec_stats(SpecStats.merged([report.spec_stats for report in reports]),
+                                   num_spec_tokens, **numbers)
 
 
 class CompletionLogprobs(BaseModel):

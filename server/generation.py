@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.output_processor import CompletionTracker, StreamPiece
+from engine.request_report import RequestReport
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
 from engine.step.types import RequestUpdate
@@ -204,10 +205,13 @@ class Generation:
         own = [c.params.num_speculative_tokens for c in self.choices]
         return max((engine_k if k is None else min(k, engine_k) for k in own), default=engine_k)
 
+    def reports(self) -> list[RequestReport]:
+        """What the engine reported of each choice that has ended with a report."""
+        return [c.tracker.report for c in self.choices if c.tracker.report is not None]
+
     def spec_stats(self) -> SpecStats:
         """Speculation over every choice (zero drafts when speculation is off)."""
-        return SpecStats.merged([c.tracker.spec_stats
-                                 for c in self.choices if c.tracker.spec_stats is not None])
+        return SpecStats.merged([report.spec_stats for report in self.reports()])
 
     # ------------------------------------------------------------------ internals
     async def _pump(self, choice: Choice) -> None:

@@ -24,7 +24,7 @@ class ResponseFormatter:
 
     @staticmethod
     def metrics(generation: Generation) -> ResponseMetrics:
-        return ResponseMetrics.from_spec_stats(generation.spec_stats(), generation.num_spec_tokens)
+        return ResponseMetrics.of(generation.reports(), generation.num_spec_tokens)
 
     def token_text(self, token_id: int) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode([token_id])

@@ -176,8 +176,8 @@ class ResponsesFormatter:
             tools=[tool.model_dump() for _, tool in request.function_tools],
             metadata=request.metadata if isinstance(request.metadata, dict) else {},
             usage=None if generation is None else ResponseUsage.of(generation),
-            metrics=None if generation is None else ResponseMetrics.from_spec_stats(
-                generation.spec_stats(), generation.num_spec_tokens))
+            metrics=None if generation is None else ResponseMetrics.of(
+                generation.reports(), generation.num_spec_tokens))
 
     def whole(self, generation: Generation, reader: ToolCallReader | None) -> ResponseObject:
         """The response of a finished generation (one choice), its calls read by `reader`."""

@@ -14,6 +14,7 @@ import torch
 
 from engine.draft_tree import is_chain
 from engine.request import FinishReason, Request, TokenLogprobs
+from engine.request_report import RequestReport
 from engine.spec_stats import SpecStats
 
 
@@ -71,12 +72,18 @@ class RequestUpdate:
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | None = None
-    # the request's speculation stats, on its final update
-    spec_stats: SpecStats | None = None
-    # prompt tokens whose K/V came from the prefix cache, on its final update
-    num_cached_tokens: int = 0
+    # what the engine reports of the request, on its final update
+    report: RequestReport | None = None
     # why the request failed, with finish_reason ERROR
     error: str | None = None
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        return None if self.report is None else self.report.spec_stats
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return 0 if self.report is None else self.report.num_cached_tokens
 
 
 @dataclass

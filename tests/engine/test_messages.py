@@ -16,6 +16,7 @@ from engine.messages import (
     encode,
 )
 from engine.request import FinishReason, TokenLogprobs
+from engine.request_report import RequestReport
 from engine.sampling_params import SamplingParams
 from engine.spec_stats import SpecStats
 from engine.step.types import RequestUpdate
@@ -51,7 +52,7 @@ def test_a_step_arrives_with_every_count_and_logprob():
     logprobs = [TokenLogprobs(5, -0.25, 1, [(5, -0.25), (8, -1.5)])]
     outputs = EngineOutputs(
         [RequestUpdate("a", [5], logprobs, finish_reason=FinishReason.STOP, stop_reason=2,
-                    spec_stats=spec_stats(), num_cached_tokens=16),
+                    report=RequestReport(spec_stats(), num_cached_tokens=16)),
          RequestUpdate("b", [6, 7])],
         StepStats(num_running=2, accepted_per_position=[2, 1], accepted_lengths=[2, 0]))
     got = decode(encode(outputs))
@@ -64,4 +65,4 @@ def test_a_step_arrives_with_every_count_and_logprob():
 
 def test_a_type_the_codec_does_not_know_is_refused():
     with pytest.raises(TypeError, match="cannot cross the engine queue"):
-        encode(RequestUpdate("a", [1], spec_stats=object()))
+        encode(RequestUpdate("a", [1], report=RequestReport(spec_stats=object())))

@@ -161,7 +161,7 @@ def finished_generation(finish_reason: str):
     tracker = SimpleNamespace(finish_reason=finish_reason)
     return SimpleNamespace(choices=[SimpleNamespace(tracker=tracker)], num_prompt_tokens=5,
                            num_completion_tokens=3, num_cached_tokens=0, num_spec_tokens=0,
-                           spec_stats=SpecStats)
+                           spec_stats=SpecStats, reports=list)
 
 
 def test_stream_events_open_and_close_each_item_in_order() -> None:

@@ -1,0 +1,25 @@
+"""What the engine reports of a request once it ends, beside its tokens: one record, filled here from
+the scheduler's Request, that crosses the engine queue, the completion tracker and the offline
+LLM's CompletionOutput whole, and whose numbers the HTTP response shows (server/api_responses.py).
+
+So a new per-request output is a field here and the line of `of` that fills it, plus its test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+from engine.spec_stats import SpecStats
+
+
+@dataclass
+class RequestReport:
+    # the request's speculation: drafts proposed and accepted, α, τ
+    spec_stats: SpecStats = field(default_factory=SpecStats)
+    # prompt tokens whose K/V came from the prefix cache (vLLM's RequestOutput.num_cached_tokens)
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, request: Request) -> RequestReport:
+        return cls(spec_stats=request.spec_stats, num_cached_tokens=request.num_cached_tokens)
