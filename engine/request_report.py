@@ -3,6 +3,7 @@ the scheduler's Request, that crosses the engine queue, the completion tracker a
 LLM's CompletionOutput whole, and whose numbers the HTTP response shows (server/api_responses.py).
 
 So a new per-request output is a field here and the line of `of` that fills it, plus its test.
+Its fields are numbers (or SpecStats): the response sums them over a request's choices.
 """
 
 from __future__ import annotations
