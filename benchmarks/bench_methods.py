@@ -2,6 +2,7 @@
 workload (greedy, batch 1, float32), and whether each method's tokens equal plain decoding's.
 
 Run: python -m benchmarks.bench_methods [--speculator DIR] [--eagle DIR] [--eagle3 DIR] [--draft DIR]
+     [--medusa DIR] [--medusa-k 3]
      [--max-tokens 128] [--tree-budget 10] [--adaptive]
      [--repeats 2] [--threads 2] [--workloads code_editing,extraction,open_chat] [--methods ngram,...]
 The MLP speculator row needs --speculator, the EAGLE row --eagle and the EAGLE-3 row --eagle3
@@ -13,6 +14,10 @@ prompt's previous repeat: the case of a repeated or agentic request, not of a fr
 against tree, τ counting tokens per target pass either way. With --adaptive, every chain also runs
 as "<method> adaptive": k chosen per step (at most the chain's) from measured costs and acceptance
 (and each tree as "<method> tree adaptive": its node count, and which nodes, chosen alike).
+The Medusa row needs --medusa (a folder from `specserve train-speculator --method medusa`, or
+FasterDecoding's or vLLM's published heads).
+The MTP row needs --mtp DIR: the target with its own MTP layers (a folder from `specserve
+train-speculator --method mtp`, holding the embedded model's weights); that row serves DIR itself.
 """
 
 from __future__ import annotations
@@ -53,6 +58,11 @@ def method_configs(args: argparse.Namespace) -> dict[str, dict | None]:
     if args.eagle3:
         configs["eagle3"] = {"method": "eagle3", "model": args.eagle3,
                              "num_speculative_tokens": args.eagle_k}
+    if args.medusa:
+        configs["medusa"] = {"method": "medusa", "model": args.medusa,
+                             "num_speculative_tokens": args.medusa_k}
+    if args.mtp:
+        configs["mtp"] = {"method": "mtp", "num_speculative_tokens": args.eagle_k}
     chains = [(name, config) for name, config in configs.items() if config is not None]
     if args.adaptive:
         for name, config in chains:
@@ -77,6 +87,11 @@ def main() -> None:
     parser.add_argument("--eagle3", default=None, help="EAGLE-3 head folder")
     parser.add_argument("--eagle-k", type=int, default=3,
                         help="EAGLE and EAGLE-3 draft tokens per step")
+    parser.add_argument("--medusa", default=None, help="Medusa heads folder")
+    parser.add_argument("--medusa-k", type=int, default=3,
+                        help="Medusa draft tokens per step (at most its number of heads)")
+    parser.add_argument("--mtp", default=None,
+                        help="the target with MTP layers (its row serves it; k is --eagle-k)")
     parser.add_argument("--draft", default=None, help="draft model folder (default: layer-skip)")
     parser.add_argument("--tree-budget", type=int, default=0,
                         help="also run each method that drafts trees with a tree of this many "
@@ -90,7 +105,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     wanted = None if args.methods is None else {"plain", *args.methods.split(",")}
-    engines = {name: LLM(args.model, **engine_kwargs(args), speculative_config=config)
+    engines = {name: LLM(args.mtp if config and config["method"] == "mtp" else args.model,
+                         **engine_kwargs(args), speculative_config=config)
                for name, config in method_configs(args).items()
                if wanted is None or name.split(" ")[0] in wanted}
     prompts = chat_prompts(engines["plain"].tokenizer)

@@ -6,9 +6,13 @@
     {"method": "mlp_speculator", "model": "/path/to/speculator", "num_speculative_tokens": 3}
     {"method": "eagle", "model": "/path/to/eagle-head", "num_speculative_tokens": 3}
     {"method": "eagle3", "model": "/path/to/eagle3-head", "num_speculative_tokens": 3}
+    {"method": "mtp", "num_speculative_tokens": 2}     (the MTP layers of --model's own checkpoint)
     {"method": "ngram", "num_speculative_tokens": 5, "adaptive": true}
     {"method": "suffix", "num_speculative_tokens": 12, "draft_tree": true}
     {"method": "eagle", "model": "/path/to/head", "num_speculative_tokens": 8, "draft_tree": true}
+    {"method": "medusa", "model": "/path/to/medusa-heads", "num_speculative_tokens": 3}
+    {"method": "medusa", "model": "/path/to/medusa-heads", "num_speculative_tokens": 10,
+     "draft_tree": true, "medusa_choices": [[0], [0, 0], [1], [0, 1], [2], [0, 0, 0]]}
 
 With "adaptive", num_speculative_tokens is the most a request drafts: each step the engine picks
 every request's k in 0..that from measured costs and recent acceptance (engine/adaptive/).
@@ -38,6 +42,8 @@ class MethodFacts:
     # it reads the target's embedding and LM head (under tensor parallelism the engine keeps them
     # whole for it; the draft model has its own)
     reads_target_vocab: bool = False
+    # its weights are in the target's own checkpoint (MTP): a "model" is refused, not ignored
+    reads_target_checkpoint: bool = False
 
 
 _TRAINED_HEAD = "a folder written by `specserve train-speculator --method {method}`, or one " \
@@ -51,6 +57,9 @@ METHODS = {
                                       "speculators')", drafts_trees=True, reads_target_vocab=True),
     "mlp_speculator": MethodFacts(needs_model=_TRAINED_HEAD, reads_target_vocab=True),
     "suffix": MethodFacts(drafts_trees=True),
+    "mtp": MethodFacts(drafts_trees=True, reads_target_vocab=True, reads_target_checkpoint=True),
+    "medusa": MethodFacts(needs_model=_TRAINED_HEAD + " (FasterDecoding's or vLLM's layout)",
+                          drafts_trees=True, reads_target_vocab=True),
 }
 # what `specserve serve` speculates with unless told otherwise ("none" turns it off): suffix drafts
 # cost nothing and need no second model, and adaptive k backs off where drafts do not pay (a busy
@@ -64,6 +73,8 @@ TREE_METHODS = tuple(method for method, facts in METHODS.items() if facts.drafts
 MAX_SUFFIX_DEPTH = 64
 # who drafts from whose finished outputs: requests of one tenant (same cache_salt), or everybody
 SUFFIX_CACHE_SCOPES = ("tenant", "global")
+# a Medusa tree node is one of its head's top MAX_MEDUSA_RANK guesses (FasterDecoding's go to 10)
+MAX_MEDUSA_RANK = 32
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,10 @@ class SpeculativeConfig:
     # any number of ranks. A sharded drafter would pay an all-reduce per layer per draft token for
     # a model too small to need the memory (docs/perf.md measures it), so it is not offered.
     draft_tensor_parallel_size: int = 1
+    # medusa with draft_tree: the tree's shape as FasterDecoding writes it, paths of top-k ranks in
+    # priority order ([[0], [0, 0], [1], ...]: head 0's best, then head 1's best after it, then head
+    # 0's second best...); num_speculative_tokens nodes are kept. None: the heads' likeliest paths
+    medusa_choices: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -115,6 +130,10 @@ class SpeculativeConfig:
         if needs_model and not self.model:
             raise ValueError(f'speculative method "{self.method}" needs "model": '
                              f'{needs_model.format(method=self.method)}')
+        if self.facts.reads_target_checkpoint and self.model is not None:
+            raise ValueError(f'speculative method "{self.method}" reads its layers from the '
+                             f'target\'s own checkpoint (--model); drop "model" '
+                             f'(got {self.model!r})')
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -122,6 +141,7 @@ class SpeculativeConfig:
             raise ValueError(f"draft_tensor_parallel_size must be 1 (drafters run unsharded on "
                              f"rank 0), got {self.draft_tensor_parallel_size!r}")
         self._check_suffix_settings()
+        self._check_medusa_choices()
 
     @property
     def facts(self) -> MethodFacts:
@@ -147,6 +167,30 @@ class SpeculativeConfig:
         if self.suffix_cache_scope not in SUFFIX_CACHE_SCOPES:
             raise ValueError(f"suffix_cache_scope must be one of {', '.join(SUFFIX_CACHE_SCOPES)}, "
                              f"got {self.suffix_cache_scope!r}")
+
+    def _check_medusa_choices(self) -> None:
+        """A list of rank paths, each path's parent listed too; kept as tuples (hashable, frozen)."""
+        choices = self.medusa_choices
+        if choices is None:
+            return
+        if self.method != "medusa" or not self.draft_tree:
+            raise ValueError('medusa_choices shapes a Medusa draft tree: it needs "method": "medusa" '
+                             'and "draft_tree": true')
+        if not isinstance(choices, (list, tuple)) or not choices or not all(
+                isinstance(path, (list, tuple)) and path and all(
+                    isinstance(rank, int) and not isinstance(rank, bool)
+                    and 0 <= rank < MAX_MEDUSA_RANK for rank in path) for path in choices):
+            raise ValueError(f"medusa_choices must be a non-empty list of non-empty lists of ranks "
+                             f"in [0, {MAX_MEDUSA_RANK}), e.g. [[0], [0, 0], [1]]; got {choices!r}")
+        paths = tuple(tuple(path) for path in choices)
+        if len(set(paths)) != len(paths):
+            raise ValueError(f"medusa_choices lists a path twice: {choices!r}")
+        orphans = [path for path in paths if len(path) > 1 and path[:-1] not in set(paths)]
+        if orphans:
+            raise ValueError(f"medusa_choices {list(orphans[0])} has no parent "
+                             f"{list(orphans[0][:-1])} among the choices: a tree lists every "
+                             f"path's prefixes too")
+        object.__setattr__(self, "medusa_choices", paths)
 
     @classmethod
     def from_json(cls, value: str | dict[str, Any]) -> SpeculativeConfig:

@@ -1,5 +1,6 @@
 """`specserve` command line: `serve` runs the OpenAI-compatible server; `generate` runs the offline
-engine on one chat message; `train-speculator` trains an MLP speculator for a model."""
+engine on one chat message; `train-speculator` trains a speculator (an MLP speculator, EAGLE,
+EAGLE-3 or Medusa heads, or an MTP layer) for a model."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     from engine.training.arguments import add_arguments as add_training_arguments
 
     add_training_arguments(commands.add_parser(
-        "train-speculator", help="train an MLP speculator on the model's own answers"))
+        "train-speculator", help="train a speculator (--method) on the model's own answers"))
     gen = commands.add_parser("generate", help="generate a reply to one chat message, offline")
     gen.add_argument("message", help="the user message (the chat template is applied)")
     gen.add_argument("--model", default=None,

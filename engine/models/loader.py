@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -142,13 +143,45 @@ def _load_hf_folder(path: str, dtype: torch.dtype, packed: bool, source: str,
             f"no *.safetensors file in {path} (pytorch_model.bin is not supported); "
             f"{_MODEL_ARG_HELP}"
         )
-    import transformers
-
-    hf_config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    hf_config = _folder_config(path)
     part = None if part_of is None else part_of(hf_config)
-    weights, partial = _read_safetensors(shards, dtype, packed, part)
+    weights, partial = _read_safetensors(shards, dtype, packed, part,
+                                         skip=_multi_token_prediction_weights(hf_config))
     return Checkpoint(hf_config=hf_config, weights=weights, tokenizer=_folder_tokenizer(path),
                       source=source, partial=frozenset(partial))
+
+
+def _folder_config(path: str) -> transformers.PretrainedConfig:
+    """config.json as transformers reads it. MiMo (XiaomiMiMo/MiMo-7B, model_type "mimo") is a
+    Qwen2 body plus MTP layers; transformers knows it only through the folder's own code, which is
+    never run, so it is read as the Qwen2 it is (its MTP layers: engine/proposers/mtp_head.py)."""
+    import transformers
+
+    with open(os.path.join(path, "config.json")) as f:
+        data = json.load(f)
+    if data.get("model_type") == "mimo":
+        data = {key: value for key, value in data.items() if key not in ("model_type", "auto_map")}
+        return transformers.Qwen2Config(**{**data, "architectures": ["Qwen2ForCausalLM"]})
+    return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def _multi_token_prediction_weights(hf_config: Any) -> Callable[[str], bool]:
+    """Whether a tensor belongs to the checkpoint's multi-token prediction layers (config
+    num_nextn_predict_layers: DeepSeek-V3's model.layers.{num_hidden_layers + i}.*, MiMo's
+    model.mtp_layers.{i}.*): the mtp proposer reads them from the folder; the target skips them."""
+    num_mtp_layers = int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+    first = int(hf_config.num_hidden_layers)
+
+    def is_mtp(name: str) -> bool:
+        if not num_mtp_layers:
+            return False
+        if name.startswith("model.mtp_layers."):
+            return True
+        parts = name.split(".")
+        return (name.startswith("model.layers.") and parts[2].isdigit()
+                and first <= int(parts[2]) < first + num_mtp_layers)
+
+    return is_mtp
 
 
 def _folder_tokenizer(path: str, config: Any = None) -> transformers.PreTrainedTokenizerBase | None:
@@ -164,12 +197,15 @@ def _folder_tokenizer(path: str, config: Any = None) -> transformers.PreTrainedT
 
 
 def _read_safetensors(shards: list[str], dtype: torch.dtype, packed: bool,
-                      part: WeightPart | None = None) -> tuple[dict[str, Weight], list[str]]:
-    """The weights (each only in the part `part` names), and the names read in part."""
+                      part: WeightPart | None = None, skip: Callable[[str], bool] | None = None,
+                      ) -> tuple[dict[str, Weight], list[str]]:
+    """The weights (each only in the part `part` names; none that `skip` names), and the names
+    read in part."""
     weights: dict[str, Weight] = {}
     partial: list[str] = []
     handles = [safe_open(shard, framework="pt") for shard in shards]
-    names = [(handle, name) for handle in handles for name in handle.keys()]
+    names = [(handle, name) for handle in handles for name in handle.keys()
+             if skip is None or not skip(name)]
     for handle, name in tqdm(names, desc="loading weights", disable=_progress_disabled()):
         spec = None if part is None else part(name)
         if spec is None:

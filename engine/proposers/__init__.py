@@ -33,6 +33,15 @@ def build_proposer(config: SpeculativeConfig, target: TargetHandle) -> Proposer:
         from engine.proposers.eagle import EagleProposer
 
         return EagleProposer(config.model, target, config.method, tree=config.draft_tree)
+    if config.method == "medusa":
+        from engine.proposers.medusa import MedusaProposer
+
+        return MedusaProposer(config.model, target, config.num_speculative_tokens,
+                              tree=config.draft_tree, choices=config.medusa_choices)
+    if config.method == "mtp":
+        from engine.proposers.mtp import MtpProposer
+
+        return MtpProposer(target, tree=config.draft_tree)
     raise ValueError(f"unknown speculative method {config.method!r}")
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine.models.arch import LlamaArch
 from engine.models.build import optimize_for_cpu
 from engine.models.native_pass import NativePass, adopt_float32_layers
 from engine.proposers.base import DraftProposal, Proposer
@@ -111,6 +112,11 @@ class EagleProposer(Proposer):
             self._draft_logits = draft_head[0]
             # the target's embedding, read-only
             self.embed_tokens = target.embed_tokens
+        self._start_runtime(layer_arch, target)
+
+    def _start_runtime(self, layer_arch: LlamaArch, target: TargetHandle) -> None:
+        """Around a loaded head: its paged KV cache (a layer per layer of `layer_arch`, blocks
+        sized as the target's), the features kept per target KV slot, the per-request states."""
         self.feature_size = layer_arch.hidden_size
         self.runner = PagedRunner.with_own_pool(self.head, layer_arch, target.num_blocks,
                                                 target.block_size, target.dtype, target.device)
@@ -199,6 +205,11 @@ class EagleProposer(Proposer):
     def _catch_up(self, requests: list[Request]) -> torch.Tensor:
         """Feed every committed token the head has not seen, with the target's feature before it;
         returns h at each request's newest token: [len(requests), hidden]."""
+        inputs, hidden = self._catch_up_rows(requests)
+        return hidden[inputs.last_rows]
+
+    def _catch_up_rows(self, requests: list[Request]) -> tuple[PagedInputs, torch.Tensor]:
+        """_catch_up's pass and h at every row of it: [num_rows, hidden]."""
         sequences, features = [], []
         for request in requests:
             state = self.states[request.request_id]
@@ -212,7 +223,7 @@ class EagleProposer(Proposer):
             state.features = state.features[end - 1 - state.feature_start:]
             state.feature_start = end - 1
         inputs = self.runner.prepare(sequences)
-        return self._run(inputs, torch.cat(features))[inputs.last_rows]
+        return inputs, self._run(inputs, torch.cat(features))
 
     def _roll_out(self, requests: list[Request], tokens: list[int], features: torch.Tensor,
                   step: int) -> torch.Tensor:

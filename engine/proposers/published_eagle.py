@@ -107,18 +107,20 @@ def load_authors_head(folder: str, target: LlamaArch) -> EagleHead:
                              f"{list(expected)}")
     with torch.no_grad():
         head.fc.load_state_dict(fc)
-    _load_layer(head.layer, config.layer_arch(target), weights, folder)
+    load_decoder_layer(head.layer, config.layer_arch(target), weights,
+                       f"the EAGLE head in {folder}")
     with torch.no_grad():
         head.draft_token_ids.copy_(torch.arange(config.vocab_size))
     return head
 
 
-def _load_layer(layer: DecoderLayer, arch: LlamaArch, weights: dict[str, torch.Tensor],
-                folder: str) -> None:
+def load_decoder_layer(layer: DecoderLayer, arch: LlamaArch, weights: dict[str, torch.Tensor],
+                       what: str) -> None:
     """Copy Hugging Face-named `layers.0.*` tensors into `layer` through LlamaForCausalLM's own
     loader, which fuses q/k/v and gate/up exactly as for every target. The loader runs on a carrier
     model that holds only `layer` (a one-token vocabulary keeps its other tensors negligible); any
-    tensor without a place, or a place without a tensor, fails naming the folder."""
+    tensor without a place, or a place without a tensor, fails naming `what` (an EAGLE head's
+    folder, an MTP layer of a checkpoint)."""
     carrier = LlamaForCausalLM(replace(arch, num_layers=0, vocab_size=1, tie_word_embeddings=True))
     carrier.layers.append(layer)
     own = {name: param.detach().clone() for name, param in carrier.named_parameters()
@@ -126,8 +128,7 @@ def _load_layer(layer: DecoderLayer, arch: LlamaArch, weights: dict[str, torch.T
     try:
         carrier.load_weights({**own, **weights})
     except (ValueError, RuntimeError) as error:
-        raise ValueError(f"the EAGLE head in {folder} does not fit its config.json: "
-                         f"{error}") from None
+        raise ValueError(f"{what} does not fit its config.json: {error}") from None
 
 
 def _layer_arch(data: dict[str, Any]) -> LlamaArch:

@@ -55,6 +55,8 @@ def published_method(config: dict[str, Any]) -> str:
     if config.get("model_type") == "mlp_speculator" or \
             architectures & set(MLP_SPECULATOR_ARCHITECTURES):
         return "mlp_speculator"
+    if config.get("model_type") == "medusa" or "medusa_num_heads" in config:
+        return "medusa"  # vLLM's layout, or FasterDecoding's
     return "eagle"
 
 

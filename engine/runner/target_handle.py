@@ -27,6 +27,9 @@ class TargetHandle:
     # the target keeps its file's packed weights (engine/config.py's keep_weights_packed); a draft
     # model loads the same way
     weights_packed: bool = False
+    # what --model named (a Hugging Face folder or a .gguf file; None: the embedded GGUF): MTP
+    # reads its layers from the target's own checkpoint (engine/proposers/mtp_head.py)
+    checkpoint: str | None = None
 
     @property
     def embed_tokens(self) -> nn.Embedding:

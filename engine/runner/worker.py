@@ -84,6 +84,8 @@ class Worker:
         if self.tp_size > 1:
             self.tp_group = self._join_ranks(model_config, cache_config, parallel)
         self.weights_packed = model_config.keep_weights_packed
+        # what --model named (None: the embedded GGUF); MTP reads its own layers from there
+        self.checkpoint_path = model_config.model
         checkpoint = load_checkpoint(model_config.model, self.dtype, packed=self.weights_packed,
                                      part_of=self._rank_part if self.tp_group else None,
                                      defer_tokenizer=True)
@@ -270,7 +272,7 @@ class Worker:
                 self._vocab_weights = None  # NOTE: the heads hold these tensors now
         return TargetHandle(self.arch, model, self.dtype, self.device,
                             self.kv_spec.num_blocks, self.kv_spec.block_size,
-                            weights_packed=self.weights_packed)
+                            weights_packed=self.weights_packed, checkpoint=self.checkpoint_path)
 
     def capture_step_graphs(self, max_num_seqs: int, num_speculative_tokens: int,
                             use_cuda_graphs: bool = True) -> None:

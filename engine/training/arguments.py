@@ -8,7 +8,7 @@ import argparse
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="folder to write the speculator to")
-    parser.add_argument("--method", choices=("mlp_speculator", "eagle", "eagle3"),
+    parser.add_argument("--method", choices=("mlp_speculator", "eagle", "eagle3", "medusa", "mtp"),
                         default="mlp_speculator",
                         help="what to train (the --speculative-config method it serves)")
     parser.add_argument("--model", default=None,
@@ -28,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     add_eagle_arguments(parser)
+    add_medusa_arguments(parser)
 
 
 def add_eagle_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,3 +45,13 @@ def add_eagle_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--answer-only-loss", action="store_true",
                        help="score only answer positions in the loss, as EAGLE does (default: "
                             "every position; the agreement counts answers either way)")
+
+
+def add_medusa_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("medusa (--num-stages is the number of heads)")
+    group.add_argument("--medusa-layers", type=int, default=1,
+                       help="residual blocks per head (the Medusa authors' default: 1)")
+    group.add_argument("--medusa-own-projections", action="store_true",
+                       help="give each head its own vocabulary projection, started from the "
+                            "target's LM head (default: every head scores with the target's, "
+                            "frozen)")

@@ -1,6 +1,7 @@
 """Train a speculator for a served model on text the model itself generates (self-distillation):
 an MLP speculator (default) or, with --method eagle / eagle3, an EAGLE or EAGLE-3 head
-(engine/training/train_eagle.py).
+(engine/training/train_eagle.py), or with --method medusa, Medusa heads (train_medusa.py), or with
+--method mtp, an MTP layer written with the target into one model folder (train_mtp.py).
 
 MLP speculator:
 1. The engine answers chat prompts greedily (engine/training/prompts.py), batched.
@@ -10,7 +11,8 @@ MLP speculator:
    the speculator learns to guess what the target will say, which is what acceptance measures.
    The target's embedding and LM head are shared and frozen; only the stages train.
 
-Run: specserve train-speculator --out DIR [--method eagle|eagle3] [--model PATH] [--num-prompts 96]
+Run: specserve train-speculator --out DIR [--method eagle|eagle3|medusa|mtp] [--model PATH]
+     [--num-prompts 96]
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from engine.sampling_params import SamplingParams
 from engine.training.arguments import add_arguments
 from engine.training.prompts import build_documents, build_prompts
 from engine.training.train_eagle import check_eagle_arguments, run_eagle
+from engine.training.train_medusa import check_medusa_arguments, run_medusa
+from engine.training.train_mtp import run_mtp
 
-# the methods train_eagle.py trains
-EAGLE_METHODS = ("eagle", "eagle3")
+# the methods train_eagle.py trains, and MTP, trained the same way by train_mtp.py
+EAGLE_METHODS = ("eagle", "eagle3", "mtp")
 
 logger = logging.getLogger("specserve.train")
 
@@ -189,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     if args.method in EAGLE_METHODS:
         check_eagle_arguments(args)
+    if args.method == "medusa":
+        check_medusa_arguments(args)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     llm = LLM(args.model, dtype="float32", device="cpu", num_threads=args.threads,
@@ -207,7 +213,15 @@ def run(args: argparse.Namespace) -> int:
     if args.method in EAGLE_METHODS:
         if args.documents:
             sequences += document_sequences(tokenizer, build_documents())
+        if args.method == "mtp":
+            print(run_mtp(args, reference, tokenizer, sequences))
+            return 0
         print(run_eagle(args, reference, tokenizer, sequences, trained_for))
+        return 0
+    if args.method == "medusa":
+        if args.documents:
+            sequences += document_sequences(tokenizer, build_documents())
+        print(run_medusa(args, reference, sequences, trained_for))
         return 0
     embed, head = reference.get_input_embeddings(), reference.get_output_embeddings()
     # NOTE: held out by whole answers: positions of one answer are too alike to test on each other
