@@ -180,7 +180,10 @@ def test_greedy_is_token_identical_in_mixed_batches(target, random_heads, expect
         assert len(outs[2].spec_stats.accepted_per_position) <= 1
 
 
-@pytest.mark.parametrize("shape", ["chain", "tree", "choices"])
+@pytest.mark.parametrize("shape", [
+    pytest.param("chain", marks=pytest.mark.promise("greedy-lossless:medusa")),
+    pytest.param("tree", marks=pytest.mark.promise("greedy-lossless-tree:medusa")),
+    "choices"])
 def test_greedy_is_lossless_when_the_drafts_are_mostly_right(mostly_right, shape):
     target, heads, want = mostly_right
     options = {"chain": {}, "tree": {"draft_tree": True},

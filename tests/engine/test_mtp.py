@@ -208,6 +208,7 @@ def mostly_right(request, tmp_path_factory) -> tuple[str, str]:
     return plain, with_mtp
 
 
+@pytest.mark.promise("greedy-lossless:mtp")
 def test_greedy_is_lossless_when_the_drafts_are_mostly_right(mostly_right):
     """Drafts accepted, partly accepted and rejected, in a batch with capped requests; the tokens
     are the plain target's (MiMo's folder read as the Qwen2 it is)."""
@@ -220,6 +221,7 @@ def test_greedy_is_lossless_when_the_drafts_are_mostly_right(mostly_right):
     assert_often_right(outs)
 
 
+@pytest.mark.promise("greedy-lossless-tree:mtp")
 def test_draft_trees_are_lossless(mostly_right, monkeypatch):
     """EAGLE's trees, grown by the first MTP layer: branches proposed, paths accepted."""
     plain, with_mtp = mostly_right

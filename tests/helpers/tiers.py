@@ -17,10 +17,10 @@ PROMISES = {
     **{f"greedy-lossless:{method}": f"greedy tokens identical with and without {method} "
                                     f"speculation on a tiny target, drafts accepted"
        for method in ("ngram", "suffix", "draft_model", "eagle", "eagle3", "mlp_speculator",
-                      "adaptive")},
+                      "medusa", "mtp", "adaptive")},
     **{f"greedy-lossless-tree:{method}": f"greedy tokens identical with {method} draft trees on "
                                          f"a tiny target, drafts accepted"
-       for method in ("ngram", "suffix", "eagle", "eagle3")},
+       for method in ("ngram", "suffix", "eagle", "eagle3", "medusa", "mtp")},
     "serve-default-real-model": "the embedded model as served by default (packed weights, batched, "
                                 "preempted, prefix cache on) keeps its greedy tokens speculating",
     "packed-kernel-exact": "the packed-weight kernels equal the float32 kernel bit for bit, and the "
