@@ -59,6 +59,9 @@ class ScriptedGeneration:
     def spec_stats(self) -> SpecStats:
         return SpecStats()
 
+    def reports(self) -> list:
+        return []
+
     def close(self) -> None:
         self.is_closed = True
 
