@@ -37,6 +37,7 @@ from engine.models.arch import LlamaArch
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import MLP, Attention, RMSNorm, RotaryEmbedding
 from engine.proposers.head_weights import read_json_config, read_weights
+from engine.proposers.speculator_folder import check_made_for
 
 AUTHORS_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # q/k/v and gate/up are fused in our layer: (fused name, shard)
@@ -227,11 +228,8 @@ class Eagle3Head(nn.Module):
              device: torch.device) -> tuple[Eagle3Head, tuple[int, ...]]:
         """The head and the target layers it reads; a head for another model fails here."""
         config = Eagle3Config.read(folder)
-        if (config.target_hidden_size, config.vocab_size) != (target.hidden_size, target.vocab_size):
-            raise ValueError(
-                f"the EAGLE-3 head in {folder} was made for hidden size "
-                f"{config.target_hidden_size} and vocabulary {config.vocab_size}; the target has "
-                f"{target.hidden_size} and {target.vocab_size}")
+        check_made_for(target, "the EAGLE-3 head was", folder, config.target_hidden_size,
+                       config.vocab_size)
         layers = config.layers_for(target, folder)
         weights = {name.removeprefix("model."): tensor
                    for name, tensor in read_weights(folder).items()}

@@ -31,6 +31,7 @@ from engine.models.attention import AttentionMetadata
 from engine.models.llama import DecoderLayer, RotaryEmbedding
 from engine.proposers.speculator_folder import (
     WEIGHTS_FILE,
+    check_made_for,
     read_config,
     write_config,
 )
@@ -84,11 +85,7 @@ class EagleConfig:
         return arch
 
     def check_fits(self, target: LlamaArch, folder: str) -> None:
-        if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
-            raise ValueError(
-                f"the EAGLE head in {folder} was made for hidden size {self.hidden_size} and "
-                f"vocabulary {self.vocab_size}; the target has {target.hidden_size} and "
-                f"{target.vocab_size}")
+        check_made_for(target, "the EAGLE head was", folder, self.hidden_size, self.vocab_size)
 
     def save(self, folder: str) -> None:
         write_config(folder, CONFIG_FILE, "eagle", self)

@@ -27,7 +27,12 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.models.arch import LlamaArch
-from engine.proposers.speculator_folder import WEIGHTS_FILE, read_config, write_config
+from engine.proposers.speculator_folder import (
+    WEIGHTS_FILE,
+    check_made_for,
+    read_config,
+    write_config,
+)
 
 CONFIG_FILE = "medusa_config.json"
 # where a head's states become logits: its own projection, one projection in the folder that every
@@ -67,11 +72,7 @@ class MedusaConfig:
         return self.draft_vocab_size or self.vocab_size
 
     def check_fits(self, target: LlamaArch, folder: str) -> None:
-        if (self.hidden_size, self.vocab_size) != (target.hidden_size, target.vocab_size):
-            raise ValueError(
-                f"the Medusa heads in {folder} were made for hidden size {self.hidden_size} and "
-                f"vocabulary {self.vocab_size}; the target has {target.hidden_size} and "
-                f"{target.vocab_size}")
+        check_made_for(target, "the Medusa heads were", folder, self.hidden_size, self.vocab_size)
 
     def save(self, folder: str) -> None:
         write_config(folder, CONFIG_FILE, "medusa", self)

@@ -33,7 +33,7 @@ from torch import nn
 
 from engine.models.arch import LlamaArch
 from engine.proposers.head_weights import read_json_config, read_weights
-from engine.proposers.speculator_folder import check_published_method
+from engine.proposers.speculator_folder import check_made_for, check_published_method
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,7 @@ class PublishedMLPSpeculatorConfig:
         return config
 
     def check_fits(self, target: LlamaArch, folder: str) -> None:
-        if (self.emb_dim, self.vocab_size) != (target.hidden_size, target.vocab_size):
-            raise ValueError(
-                f"the speculator in {folder} was made for hidden size {self.emb_dim} and "
-                f"vocabulary {self.vocab_size}; the target has {target.hidden_size} and "
-                f"{target.vocab_size}")
+        check_made_for(target, "the speculator was", folder, self.emb_dim, self.vocab_size)
 
 
 class ScaledRMSNorm(nn.Module):

@@ -7,7 +7,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.models.arch import LlamaArch
 
 WEIGHTS_FILE = "model.safetensors"
 PUBLISHED_CONFIG_FILE = "config.json"
@@ -35,6 +38,17 @@ def read_config(folder: str, file_name: str, kind: str, what: str) -> dict[str, 
     if data.pop("type", None) != kind:
         raise ValueError(f"{path} does not describe an {kind}")
     return data
+
+
+def check_made_for(target: LlamaArch, what: str, folder: str, hidden_size: int,
+                   vocab_size: int) -> None:
+    """A proposer reads the target's hidden states and scores its vocabulary: one made for another
+    model fails at start-up, saying what it was made for. `what`: "the EAGLE head was", say."""
+    if (hidden_size, vocab_size) != (target.hidden_size, target.vocab_size):
+        subject, verb = what.rsplit(" ", 1)
+        raise ValueError(f"{subject} in {folder} {verb} made for hidden size {hidden_size} and "
+                         f"vocabulary {vocab_size}; the target has {target.hidden_size} and "
+                         f"{target.vocab_size}")
 
 
 def is_published(folder: str, own_config_file: str) -> bool:

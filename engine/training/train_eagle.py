@@ -31,10 +31,12 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm.auto import tqdm
 
 from engine.models.arch import LlamaArch
@@ -235,36 +237,53 @@ def window_starts(stream: FeatureStream, window: int, generator: torch.Generator
     return starts[torch.randperm(len(starts), generator=generator)]
 
 
-def train_head(head: EagleHead | Eagle3Head, embed, draft_head: torch.Tensor, stream: FeatureStream,
-               epochs: int, batch_size: int, window: int, num_steps: int, learning_rate: float,
-               feature_weight: float, seed: int, answer_only_loss: bool = False) -> None:
+# (window starts of a batch, every position's previous input, the noise scale) -> (the batch's
+# loss, its per-step top-1 agreement in words)
+WindowLosses = Callable[[torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, str]]
+
+
+def fit_on_windows(module: nn.Module, stream: FeatureStream, epochs: int, batch_size: int,
+                   window: int, learning_rate: float, seed: int, losses: WindowLosses) -> None:
+    """The training loop of every head that learns over windows of the feature stream (EAGLE,
+    EAGLE-3, an MTP layer): every window once per epoch in random order, AdamW under a one-cycle
+    schedule, gradients clipped at 1; noise on the previous inputs at a tenth of their scale."""
     generator = torch.Generator().manual_seed(seed)
     previous = stream.previous_inputs()
     noise = 0.1 * previous.pow(2).mean().sqrt().item()
-    optimizer = torch.optim.AdamW(head.parameters(), lr=learning_rate, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=learning_rate, weight_decay=0.0)
     batches_per_epoch = max(1, (len(stream) // window) // batch_size)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, learning_rate,
                                                    total_steps=epochs * batches_per_epoch,
                                                    pct_start=0.1)
     progress = tqdm(total=epochs * batches_per_epoch, desc="training", disable=None)
-    head.train()
+    module.train()
     for _ in range(epochs):
         starts = window_starts(stream, window, generator)
         for batch in range(batches_per_epoch):
-            scores = unrolled_losses(head, embed, draft_head, stream, previous,
-                                     starts[batch * batch_size:(batch + 1) * batch_size], window,
-                                     num_steps, noise, answer_only_loss)
-            loss = sum(feature_weight * s.feature_loss + s.token_loss for s in scores)
+            loss, agreement = losses(starts[batch * batch_size:(batch + 1) * batch_size],
+                                     previous, noise)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
             optimizer.step()
             schedule.step()
             progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}",
-                                 top1="/".join(f"{s.agreement:.2f}" for s in scores))
+            progress.set_postfix(loss=f"{loss.item():.3f}", top1=agreement)
     progress.close()
-    head.eval()
+    module.eval()
+
+
+def train_head(head: EagleHead | Eagle3Head, embed, draft_head: torch.Tensor, stream: FeatureStream,
+               epochs: int, batch_size: int, window: int, num_steps: int, learning_rate: float,
+               feature_weight: float, seed: int, answer_only_loss: bool = False) -> None:
+    def losses(starts: torch.Tensor, previous: torch.Tensor, noise: float
+               ) -> tuple[torch.Tensor, str]:
+        scores = unrolled_losses(head, embed, draft_head, stream, previous, starts, window,
+                                 num_steps, noise, answer_only_loss)
+        return (sum(feature_weight * s.feature_loss + s.token_loss for s in scores),
+                "/".join(f"{s.agreement:.2f}" for s in scores))
+
+    fit_on_windows(head, stream, epochs, batch_size, window, learning_rate, seed, losses)
 
 
 @torch.no_grad()

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from engine.models.arch import LlamaArch
 from engine.models.loader import load_checkpoint
@@ -39,9 +38,9 @@ from engine.training.train_eagle import (
     UnrolledChain,
     choose_draft_vocab,
     extract_features,
+    fit_on_windows,
     hold_out_prompts,
     unrolled_hidden,
-    window_starts,
 )
 
 logger = logging.getLogger("specserve.train")
@@ -113,33 +112,14 @@ def mtp_losses(layer: MtpLayer, embed: torch.nn.Module, draft_head: torch.Tensor
 def train_layer(layer: MtpLayer, embed, draft_head: torch.Tensor, draft_ids: torch.Tensor,
                 stream: FeatureStream, epochs: int, batch_size: int, window: int, num_steps: int,
                 learning_rate: float, feature_weight: float, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    previous = stream.previous_inputs()
-    noise = 0.1 * previous.pow(2).mean().sqrt().item()
-    optimizer = torch.optim.AdamW(layer.parameters(), lr=learning_rate, weight_decay=0.0)
-    batches_per_epoch = max(1, (len(stream) // window) // batch_size)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, learning_rate,
-                                                   total_steps=epochs * batches_per_epoch,
-                                                   pct_start=0.1)
-    progress = tqdm(total=epochs * batches_per_epoch, desc="training", disable=None)
-    layer.train()
-    for _ in range(epochs):
-        starts = window_starts(stream, window, generator)
-        for batch in range(batches_per_epoch):
-            scores = mtp_losses(layer, embed, draft_head, draft_ids, stream, previous,
-                                starts[batch * batch_size:(batch + 1) * batch_size], window,
-                                num_steps, noise)
-            loss = sum(feature_weight * s.feature_loss + s.token_loss for s in scores)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}", top1="/".join(
-                f"{s.num_correct / max(1, s.num_counted):.2f}" for s in scores))
-    progress.close()
-    layer.eval()
+    def losses(starts: torch.Tensor, previous: torch.Tensor, noise: float
+               ) -> tuple[torch.Tensor, str]:
+        scores = mtp_losses(layer, embed, draft_head, draft_ids, stream, previous, starts, window,
+                            num_steps, noise)
+        return (sum(feature_weight * s.feature_loss + s.token_loss for s in scores),
+                "/".join(f"{s.num_correct / max(1, s.num_counted):.2f}" for s in scores))
+
+    fit_on_windows(layer, stream, epochs, batch_size, window, learning_rate, seed, losses)
 
 
 @torch.no_grad()
