@@ -16,9 +16,8 @@ from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.request import FinishReason, TokenLogprobs
-from engine.request_report import RequestReport
+from engine.request_report import ReportCarrier, RequestReport
 from engine.sampling_params import SamplingParams
-from engine.spec_stats import SpecStats
 from engine.step.types import RequestUpdate
 
 
@@ -39,7 +38,7 @@ class StreamPiece:
         return not self.text and not self.token_ids and self.finish_reason is None
 
 
-class CompletionTracker:
+class CompletionTracker(ReportCarrier):
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; this model folder has none")
@@ -65,15 +64,6 @@ class CompletionTracker:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def spec_stats(self) -> SpecStats | None:
-        return None if self.report is None else self.report.spec_stats
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens whose K/V the prefix cache held (0 until it finishes)."""
-        return 0 if self.report is None else self.report.num_cached_tokens
 
     def apply(self, update: RequestUpdate) -> bool:
         """Fold in one engine update (the server's and the offline LLM's alike); True when this

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import TokenLogprobs
-from engine.request_report import RequestReport
+from engine.request_report import ReportCarrier, RequestReport
 from engine.spec_stats import SpecStats
 
 
 @dataclass
-class CompletionOutput:
+class CompletionOutput(ReportCarrier):
     # which of the request's n completions this is
     index: int
     text: str
@@ -26,11 +26,6 @@ class CompletionOutput:
     report: RequestReport | None = None
     # why the engine ended it, with finish_reason "error" (the other requests went on)
     error: str | None = None
-
-    @property
-    def spec_stats(self) -> SpecStats | None:
-        """This completion's speculation: drafts proposed and accepted, α, τ."""
-        return None if self.report is None else self.report.spec_stats
 
     @property
     def cumulative_logprob(self) -> float | None:

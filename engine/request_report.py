@@ -24,3 +24,20 @@ class RequestReport:
     @classmethod
     def of(cls, request: Request) -> RequestReport:
         return cls(spec_stats=request.spec_stats, num_cached_tokens=request.num_cached_tokens)
+
+
+class ReportCarrier:
+    """What carries a request's report on its way to the client (RequestUpdate, the completion
+    tracker, CompletionOutput): the report's numbers under the names they had before it."""
+
+    report: RequestReport | None
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """The request's speculation: drafts proposed and accepted, α, τ (None before it ends)."""
+        return None if self.report is None else self.report.spec_stats
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose K/V the prefix cache held (0 until it ends)."""
+        return 0 if self.report is None else self.report.num_cached_tokens

@@ -14,8 +14,7 @@ import torch
 
 from engine.draft_tree import is_chain
 from engine.request import FinishReason, Request, TokenLogprobs
-from engine.request_report import RequestReport
-from engine.spec_stats import SpecStats
+from engine.request_report import ReportCarrier, RequestReport
 
 
 @dataclass
@@ -64,7 +63,7 @@ class SampledTokens:
 
 
 @dataclass
-class RequestUpdate:
+class RequestUpdate(ReportCarrier):
     """What one step did for one request: the tokens it emitted and, if it ended, why."""
 
     request_id: str
@@ -76,14 +75,6 @@ class RequestUpdate:
     report: RequestReport | None = None
     # why the request failed, with finish_reason ERROR
     error: str | None = None
-
-    @property
-    def spec_stats(self) -> SpecStats | None:
-        return None if self.report is None else self.report.spec_stats
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return 0 if self.report is None else self.report.num_cached_tokens
 
 
 @dataclass

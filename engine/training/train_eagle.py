@@ -173,6 +173,40 @@ def unrolled_hidden(head: EagleHead | Eagle3Head, embeds: torch.Tensor, features
 
 
 @dataclass
+class WindowBatch:
+    """The windows of the feature stream at `starts`, flattened to [B * W] rows: what an unrolled
+    head's losses read (EAGLE's, EAGLE-3's, an MTP layer's)."""
+
+    chain: UnrolledChain
+    is_answer: torch.Tensor  # [B * W] bool
+    # the token at each position, embedded: [B * W, hidden]
+    embeds: torch.Tensor
+    # the target's feature at each position, and its distribution over the draft vocabulary
+    target_features: torch.Tensor
+    target_probs: torch.Tensor
+    labels: torch.Tensor  # [B * W] the target's greedy next token
+    # each position's previous input (the target's feature before it), with training noise
+    previous: torch.Tensor
+
+    @classmethod
+    def of(cls, stream: FeatureStream, embed: nn.Module, draft_head: torch.Tensor,
+           previous: torch.Tensor, starts: torch.Tensor, window: int, num_steps: int,
+           noise: float) -> WindowBatch:
+        index = starts[:, None] + torch.arange(window)  # [B, W]
+        rows = len(starts) * window
+        chain = UnrolledChain(len(starts), window, num_steps, stream.doc_ids[index])
+        embeds = embed(stream.token_ids[index]).reshape(rows, -1)
+        target_features = stream.features[index].reshape(rows, -1)
+        with torch.no_grad():
+            target_probs = (target_features @ draft_head.T).softmax(-1)
+        inputs = previous[index].reshape(rows, -1)
+        if noise:
+            inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * noise
+        return cls(chain, stream.is_answer[index].reshape(-1), embeds, target_features,
+                   target_probs, stream.labels[index].reshape(-1), inputs)
+
+
+@dataclass
 class StepScore:
     """One drafting step over a batch of windows: losses over its trained positions (chains
     inside one sequence, UnrolledChain.valid; answers only with answer_only_loss), agreement over
@@ -194,18 +228,10 @@ def unrolled_losses(head: EagleHead | Eagle3Head, embed: torch.nn.Module, draft_
                     answer_only_loss: bool = False) -> list[StepScore]:
     """Per step: feature loss and distribution loss over the trained positions, top-1 agreement
     with the target's greedy token over the answer positions, of the windows at `starts`."""
-    index = starts[:, None] + torch.arange(window)  # [B, W]
-    batch = len(starts)
-    chain = UnrolledChain(batch, window, num_steps, stream.doc_ids[index])
-    is_answer = stream.is_answer[index].reshape(-1)  # [B * W]
-    embeds = embed(stream.token_ids[index]).reshape(batch * window, -1)
-    target_features = stream.features[index].reshape(batch * window, -1)
-    with torch.no_grad():
-        target_probs = (target_features @ draft_head.T).softmax(-1)
-    labels = stream.labels[index].reshape(-1)
-    features = previous[index].reshape(batch * window, -1)
-    if noise:
-        features = features + (torch.rand_like(features) - 0.5) * 2 * noise
+    windows = WindowBatch.of(stream, embed, draft_head, previous, starts, window, num_steps, noise)
+    chain, is_answer, labels = windows.chain, windows.is_answer, windows.labels
+    target_features, target_probs = windows.target_features, windows.target_probs
+    embeds, features = windows.embeds, windows.previous
     is_eagle3 = isinstance(head, Eagle3Head)
     if is_eagle3:
         features = head.fc(features)

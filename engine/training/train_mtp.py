@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +34,9 @@ from engine.models.loader import load_checkpoint
 from engine.proposers.mtp_head import CONFIG_KEY, DEEPSEEK, MtpLayer, mtp_layer_tensors
 from engine.training.train_eagle import (
     FeatureStream,
+    StepScore,
     UnrolledChain,
+    WindowBatch,
     choose_draft_vocab,
     extract_features,
     fit_on_windows,
@@ -44,16 +45,6 @@ from engine.training.train_eagle import (
 )
 
 logger = logging.getLogger("specserve.train")
-
-
-@dataclass
-class MtpScore:
-    """One drafting step over a batch of windows (train_eagle.py's StepScore, for one MTP layer)."""
-
-    feature_loss: torch.Tensor  # scalar: smooth L1 of shared_head.norm(state) to f_p
-    token_loss: torch.Tensor  # scalar: soft cross-entropy over the draft vocabulary
-    num_correct: int  # counted positions whose top token is the target's greedy token
-    num_counted: int
 
 
 def new_mtp_layer(reference, arch: LlamaArch) -> MtpLayer:
@@ -79,23 +70,15 @@ def new_mtp_layer(reference, arch: LlamaArch) -> MtpLayer:
 
 def mtp_losses(layer: MtpLayer, embed: torch.nn.Module, draft_head: torch.Tensor,
                draft_ids: torch.Tensor, stream: FeatureStream, previous: torch.Tensor,
-               starts: torch.Tensor, window: int, num_steps: int, noise: float) -> list[MtpScore]:
+               starts: torch.Tensor, window: int, num_steps: int, noise: float) -> list[StepScore]:
     """Per unrolled step, over the windows at `starts`: both losses at every position whose chain
     lies in one sequence, the agreement at answer positions (draft vocabulary)."""
-    index = starts[:, None] + torch.arange(window)  # [B, W]
-    batch = len(starts)
-    chain = UnrolledChain(batch, window, num_steps, stream.doc_ids[index])
-    is_answer = stream.is_answer[index].reshape(-1)  # [B * W]
-    embeds = embed(stream.token_ids[index]).reshape(batch * window, -1)
-    target_features = stream.features[index].reshape(batch * window, -1)
-    with torch.no_grad():
-        target_probs = (target_features @ draft_head.T).softmax(-1)  # [B * W, draft vocab]
-    labels = stream.labels[index].reshape(-1)
-    states = previous[index].reshape(batch * window, -1)
-    if noise:
-        states = states + (torch.rand_like(states) - 0.5) * 2 * noise
+    windows = WindowBatch.of(stream, embed, draft_head, previous, starts, window, num_steps, noise)
+    chain, is_answer, labels = windows.chain, windows.is_answer, windows.labels
+    target_features, target_probs = windows.target_features, windows.target_probs
     scores = []
-    for step, hidden in enumerate(unrolled_hidden(layer, embeds, states, chain), start=1):
+    for step, hidden in enumerate(unrolled_hidden(layer, windows.embeds, windows.previous, chain),
+                                  start=1):
         trained = chain.valid(step).reshape(-1)  # [B * W]
         denominator = max(1, int(trained.sum()))
         normed = layer.head_input(hidden[trained])  # what the LM head reads
@@ -105,7 +88,7 @@ def mtp_losses(layer: MtpLayer, embed: torch.nn.Module, draft_head: torch.Tensor
         token_loss = torch.sum(-target_probs[trained] * logits.log_softmax(-1)) / denominator
         counted = is_answer[trained]
         correct = (draft_ids[logits.argmax(-1)] == labels[trained]) & counted
-        scores.append(MtpScore(feature_loss, token_loss, int(correct.sum()), int(counted.sum())))
+        scores.append(StepScore(feature_loss, token_loss, int(correct.sum()), int(counted.sum())))
     return scores
 
 
@@ -117,7 +100,7 @@ def train_layer(layer: MtpLayer, embed, draft_head: torch.Tensor, draft_ids: tor
         scores = mtp_losses(layer, embed, draft_head, draft_ids, stream, previous, starts, window,
                             num_steps, noise)
         return (sum(feature_weight * s.feature_loss + s.token_loss for s in scores),
-                "/".join(f"{s.num_correct / max(1, s.num_counted):.2f}" for s in scores))
+                "/".join(f"{s.agreement:.2f}" for s in scores))
 
     fit_on_windows(layer, stream, epochs, batch_size, window, learning_rate, seed, losses)
 
