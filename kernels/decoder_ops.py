@@ -34,3 +34,9 @@ def rotary_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_rotated
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] gate then up -> silu(gate) * up, [T, I]."""
     return torch.ops.specserve.silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] gate then up -> gelu_tanh(gate) * up, [T, I] (Gemma's GeGLU)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

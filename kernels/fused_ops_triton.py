@@ -256,3 +256,9 @@ def silu_and_mul(gate_up: Tensor) -> Tensor:
         num_warps=ELEMENTWISE_NUM_WARPS, enable_fp_fusion=False,
     )
     return out
+
+
+def gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    """[T, 2I] gate then up -> gelu_tanh(gate) * up, [T, I] (Gemma's GeGLU), with torch's ops."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

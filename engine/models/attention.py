@@ -98,6 +98,9 @@ class AttentionMetadata:
     # [num_tokens] int64 on the step's device: each tree row's ancestor bits (tree_ancestor_masks),
     # -1 for the rows of ordinary sequences; None = the step holds no tree (nothing changes then)
     tree_mask: torch.Tensor | None = None
+    # the same step under the local window, for the sliding layers of a model that mixes sliding
+    # and full layers (Gemma 3); None where every layer reads this one
+    windowed: AttentionMetadata | None = None
 
 
 def build_attention_metadata(
@@ -109,8 +112,11 @@ def build_attention_metadata(
     device: torch.device,
     backend: str = "auto",
     tree_parents: Sequence[Sequence[int] | None] | None = None,
+    local_window: int | None = None,
 ) -> AttentionMetadata:
     """Lay out one step's sequences for `paged_attention` (backend: one of ATTENTION_BACKENDS).
+    `local_window`: also lay it out under that window, as `windowed`, for a model's sliding
+    layers (the window in a tree's masks and the CPU kernel's skipped blocks differ by layer).
 
     Sequence i has `seq_lens[i]` tokens of context after this step, the last `query_lens[i]` of which are
     this step's query rows, in the slots of positions seq_lens[i] - query_lens[i] ...
@@ -167,6 +173,10 @@ def build_attention_metadata(
         if tree_mask is not None:
             apply_tree_mask(attn_mask, tree_mask, torch.tensor(seq_lens), torch.tensor(query_lens),
                             query_pad_index, sliding_window)
+    windowed = None
+    if local_window is not None:
+        windowed = build_attention_metadata(query_lens, seq_lens, block_tables, block_size,
+                                            local_window, device, backend, tree_parents)
     return AttentionMetadata(
         num_seqs=num_seqs,
         max_query_len=max_query_len,
@@ -180,6 +190,7 @@ def build_attention_metadata(
         kernel=kernel,
         mask_pending=needs_mask and kernel is not None,
         tree_mask=None if tree_mask is None else tree_mask.to(device),
+        windowed=windowed,
     )
 
 

@@ -44,6 +44,9 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device
     model = materialize(model, device, dtype)
     # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the reference
     model.rotary.inv_freq = torch.tensor(arch.rope_inv_freq, dtype=torch.float32, device=device)
+    if model.local_rotary is not None:
+        model.local_rotary.inv_freq = torch.tensor(arch.local_rope_inv_freq, dtype=torch.float32,
+                                                   device=device)
     model.load_weights(weights)
     if arch.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight

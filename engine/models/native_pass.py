@@ -96,7 +96,8 @@ class NativePass:
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  meta: AttentionMetadata, kv_caches: list[torch.Tensor],
-                 aux_layers: tuple[int, ...], logits_rows: torch.Tensor | None = None
+                 aux_layers: tuple[int, ...], logits_rows: torch.Tensor | None = None,
+                 local_rotary: tuple[torch.Tensor, torch.Tensor] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x: [T, hidden] embedded; cos, sin: [T, head_dim / 2]. Returns the final-norm hidden
         states, the residual stream entering each of `aux_layers`, side by side, and the LM
@@ -147,6 +148,9 @@ def _unsupported(layers: list[nn.Module], final_norm: nn.Module | None) -> str |
             return "batch-invariant kernels"
         if attention.tp_group is not None:
             return "tensor parallelism"
+        if attention.q_norm is not None or attention.sliding or layer.mlp.hidden_act != "silu" \
+                or getattr(layer, "attention_output_norm", None) is not None:
+            return "the family's q/k norms, sliding layers, GeGLU or output norms"
         for path, _ in _LINEARS:
             if not isinstance(layer.get_submodule(path), QuantizedLinear):
                 return f"layer {index}'s {path} is not packed"

@@ -162,7 +162,7 @@ class Eagle3Head(nn.Module):
         self.mlp = MLP(arch)
         self.norm = RMSNorm(hidden, arch.rms_norm_eps)
         self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(arch)
+        self.rotary = RotaryEmbedding(arch.rope_inv_freq, arch.rope_attention_scaling)
         # target token id of each draft-vocabulary entry (i + d2t[i])
         self.register_buffer("draft_token_ids",
                              torch.zeros(config.draft_vocab_size, dtype=torch.int64))

@@ -75,10 +75,10 @@ class EagleConfig:
     def layer_arch(self, target: LlamaArch) -> LlamaArch:
         """The head's layer takes the target's context length, and its rotary frequencies unless
         the head names its own."""
-        arch = replace(target, num_layers=1, num_heads=self.num_heads,
-                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                       intermediate_size=self.intermediate_size, rms_norm_eps=self.rms_norm_eps,
-                       qkv_bias=self.qkv_bias, sliding_window=None)
+        arch = target.plain_layers(1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                                   head_dim=self.head_dim,
+                                   intermediate_size=self.intermediate_size,
+                                   rms_norm_eps=self.rms_norm_eps, qkv_bias=self.qkv_bias)
         if self.rope_inv_freq is not None:
             arch = replace(arch, rope_inv_freq=tuple(self.rope_inv_freq),
                            rope_attention_scaling=self.rope_attention_scaling)
@@ -109,7 +109,7 @@ class EagleHead(nn.Module):
         if not config.input_norm:
             # the EAGLE authors' first layer: fc's output enters attention as it is
             self.layer.input_layernorm = nn.Identity()
-        self.rotary = RotaryEmbedding(arch)
+        self.rotary = RotaryEmbedding(arch.rope_inv_freq, arch.rope_attention_scaling)
         # target token id of each draft-vocabulary entry
         self.register_buffer("draft_token_ids",
                              torch.zeros(config.draft_vocab_size, dtype=torch.int64))

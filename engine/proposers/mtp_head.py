@@ -30,7 +30,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -108,7 +108,7 @@ class MtpLayer(nn.Module):
         # the layer's own embedding and LM head where they differ from the target's; else None
         self.embed_tokens: nn.Embedding | None = None
         self.lm_head: nn.Linear | None = None
-        self.rotary = RotaryEmbedding(arch)
+        self.rotary = RotaryEmbedding(arch.rope_inv_freq, arch.rope_attention_scaling)
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata, kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -161,7 +161,7 @@ class MtpHead(nn.Module):
 def mtp_layer_arch(target: LlamaArch, num_layers: int) -> LlamaArch:
     """The MTP layers are shaped like the target's; their cache holds one layer per MTP layer.
     NOTE: full attention, as EAGLE's head: a sliding window only narrows what a draft sees."""
-    return replace(target, num_layers=num_layers, sliding_window=None)
+    return target.plain_layers(num_layers)
 
 
 # ---------------------------------------------------------------- reading a checkpoint

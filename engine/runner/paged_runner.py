@@ -53,11 +53,13 @@ class PagedInputs:
 class PagedRunner:
     def __init__(self, model: nn.Module, kv_caches: list[torch.Tensor], blocks: BlockManager,
                  sliding_window: int | None, device: torch.device,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", local_window: int | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.blocks = blocks
         self.sliding_window = sliding_window
+        # the sliding layers' window of a model that mixes sliding and full layers
+        self.local_window = local_window
         self.device = device
         self.attention_backend = attention_backend
 
@@ -66,7 +68,8 @@ class PagedRunner:
                       dtype: torch.dtype, device: torch.device) -> PagedRunner:
         """A drafter's runner: a fresh pool of `num_blocks` and K/V for `arch`'s layers."""
         return cls(model, allocate_kv_cache(arch, num_blocks, block_size, dtype, device),
-                   BlockManager(num_blocks, block_size), arch.sliding_window, device)
+                   BlockManager(num_blocks, block_size), arch.sliding_window, device,
+                   local_window=arch.local_window)
 
     # ------------------------------------------------------------------ blocks
     def reserve(self, seq_id: str, num_tokens: int) -> bool:
@@ -103,7 +106,7 @@ class PagedRunner:
             tree_parents.append(parents)
         meta = build_attention_metadata(query_lens, seq_lens, tables, self.blocks.block_size,
                                         self.sliding_window, self.device, self.attention_backend,
-                                        tree_parents)
+                                        tree_parents, self.local_window)
         return PagedInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),

@@ -132,7 +132,7 @@ class Worker:
                                           + int(self.has_padding_block), self.kv_spec.block_size,
                                           self.dtype, self.device),
             blocks, self.arch.sliding_window, self.device,
-            "triton" if self.gpu_kernels == "triton" else "auto")
+            "triton" if self.gpu_kernels == "triton" else "auto", self.arch.local_window)
         del checkpoint  # the file's tensors now live in the model; the rest is scratch
         release_freed_memory()
         packed, dense = packed_bytes(self.model)
@@ -283,6 +283,8 @@ class Worker:
         reason = why_no_graphs(self.device, self.gpu_kernels, self.enforce_eager, self.tp_size)
         if not use_cuda_graphs:
             reason = None if self.has_padding_block else "static steps need gpu_kernels triton"
+        if self.arch.local_window is not None:
+            reason = "static steps take one attention window; this model mixes two"
         if reason is not None:
             if self.device.type == "cuda":
                 logger.info("CUDA graphs off: %s", reason)

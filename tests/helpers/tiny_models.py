@@ -1,4 +1,5 @@
-"""Tiny random Llama-family checkpoints the tests build themselves, and the transformers reference."""
+"""Tiny random checkpoints of every family specserve runs, built by the tests themselves, and the
+transformers reference."""
 
 from __future__ import annotations
 
@@ -11,6 +12,31 @@ TINY_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers":
                    "bos_token_id": 1, "initializer_range": 0.15}
 
 
+# head_dim unlike hidden / heads, as in the real models (Qwen3-0.6B: 128 against 1024 / 16)
+QWEN3_SHAPES = {"head_dim": 24}
+# three layers, the last full and the others sliding over 6 tokens with their own RoPE base;
+# query_pre_attn_scalar unlike head_dim, as in Gemma 3 27B
+GEMMA3_SHAPES = {"head_dim": 24, "num_hidden_layers": 3, "sliding_window": 6,
+                 "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+                 "query_pre_attn_scalar": 32, "pad_token_id": 2,
+                 "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": 1e4}}}
+_FAMILY_SHAPES = {"qwen3": QWEN3_SHAPES, "gemma3": GEMMA3_SHAPES}
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
+FAMILIES_WITH_QK_NORM = ("qwen3", "gemma3")
+
+
+def _randomize_norms(model) -> None:
+    """Every norm weight random: Gemma's start at zero (a scale of 1 + 0) and Qwen3's at one,
+    which would hide a norm applied in the wrong place."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5) if "gemma" in type(model).__name__.lower() else \
+                    param.uniform_(0.5, 1.5)
+
+
 def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, layer_scale: float = 1.0,
                           **overrides) -> str:
     """Save a random tiny model as a Hugging Face folder; the large init range makes logits peaked,
@@ -21,7 +47,7 @@ def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, layer_scale:
     "mostly bigram" model, which a drafter built in tests/helpers/bigram_drafters.py guesses right
     60-85% of the time), while the context still decides the rest."""
     torch.manual_seed(seed)
-    shapes = {**TINY_SHAPES, **overrides}
+    shapes = {**TINY_SHAPES, **_FAMILY_SHAPES.get(kind, {}), **overrides}
     if kind == "llama":
         config = transformers.LlamaConfig(**shapes)
         model = transformers.LlamaForCausalLM(config)
@@ -31,8 +57,16 @@ def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, layer_scale:
     elif kind == "mistral":
         config = transformers.MistralConfig(**shapes)
         model = transformers.MistralForCausalLM(config)
+    elif kind == "qwen3":
+        config = transformers.Qwen3Config(**shapes)
+        model = transformers.Qwen3ForCausalLM(config)
+    elif kind == "gemma3":
+        config = transformers.Gemma3TextConfig(**shapes)
+        model = transformers.Gemma3ForCausalLM(config)
     else:
         raise ValueError(kind)
+    if kind in FAMILIES_WITH_QK_NORM:
+        _randomize_norms(model)
     if layer_scale != 1.0:
         with torch.no_grad():
             for layer in model.model.layers:
