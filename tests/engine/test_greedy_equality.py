@@ -25,9 +25,11 @@ ENGINE_SETUPS = {
 }
 
 
-# NOTE: the quick tier checks the Llama family; the full suite every one
+# NOTE: the quick tier checks Llama and the two families whose bodies differ most from it (q/k
+# norms; Gemma 3's sandwich norms, GeGLU and sliding layers); the full suite every one
 @pytest.fixture(scope="module", params=["llama", pytest.param("qwen2", marks=pytest.mark.slow),
-                                        pytest.param("mistral", marks=pytest.mark.slow)])
+                                        pytest.param("mistral", marks=pytest.mark.slow),
+                                        "qwen3", "gemma3"])
 def checkpoint(request, tmp_path_factory) -> tuple[str, list[list[int]]]:
     overrides = {"sliding_window": 16} if request.param == "mistral" else {}
     path = build_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, **overrides)
