@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 # GGML type names this product keeps packed; F16 and BF16 also stand for a safetensors tensor's bytes
-PACKED_FORMATS = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
+PACKED_FORMATS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16",
+                  "BF16")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from kernels.packed_weight import PackedWeight, block_geometry
 GROUP_WIDTH = 16  # rows per group: 2 AVX2 registers of outputs
 # the kernel's format ids (quantized_gemm.cpp's enum Format)
 FORMAT_IDS = {"F32": 0, "Q4_0": 1, "Q4_1": 2, "Q8_0": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "F16": 7,
-              "BF16": 8}
+              "BF16": 8, "Q5_0": 9, "Q5_1": 10}
 
 
 def quantized_gemm_available() -> bool:
@@ -130,6 +130,24 @@ def _unpack_q4_1(blocks):
     return header, _flat(_nibbles(blocks[..., 4:20], 16)), 32
 
 
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: a block's 4 bytes of high bits -> [..., 32] bits, weight i's from bit i of
+    the little-endian word (gguf-py's order)."""
+    word = np.ascontiguousarray(qh).view("<u4")  # [..., 1]
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _unpack_q5_0(blocks):
+    low = _nibbles(blocks[..., 6:22], 16)
+    return _lanes(_half(blocks, 0)), _flat(low | (_fifth_bits(blocks[..., 2:6]) << 4)), 32
+
+
+def _unpack_q5_1(blocks):
+    header = np.concatenate([_lanes(_half(blocks, 0)), _lanes(_half(blocks, 2))], axis=2)
+    low = _nibbles(blocks[..., 8:24], 16)
+    return header, _flat(low | (_fifth_bits(blocks[..., 4:8]) << 4)), 32
+
+
 def _unpack_q8_0(blocks):
     return _lanes(_half(blocks, 0)), _flat(blocks[..., 2:34].view(np.int8)), 32
 
@@ -164,8 +182,9 @@ def _unpack_q6_k(blocks):
     return header, _flat(low | (high.reshape(low.shape) << 4)), 256
 
 
-_UNPACKERS = {"Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q8_0": _unpack_q8_0,
-              "Q4_K": _unpack_q4_k, "Q5_K": _unpack_q5_k, "Q6_K": _unpack_q6_k}
+_UNPACKERS = {"Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q5_0": _unpack_q5_0,
+              "Q5_1": _unpack_q5_1, "Q8_0": _unpack_q8_0, "Q4_K": _unpack_q4_k,
+              "Q5_K": _unpack_q5_k, "Q6_K": _unpack_q6_k}
 
 
 def _interleave_quants(format: str, q: np.ndarray) -> np.ndarray:
@@ -178,7 +197,7 @@ def _interleave_quants(format: str, q: np.ndarray) -> np.ndarray:
     nibbles = (low[..., :8] | (low[..., 8:] << 4)).astype(np.uint8)
     if format in ("Q4_0", "Q4_1", "Q4_K"):
         return nibbles
-    bits, dtype = (1, np.uint16) if format == "Q5_K" else (2, np.uint32)
+    bits, dtype = (1, np.uint16) if format in ("Q5_0", "Q5_1", "Q5_K") else (2, np.uint32)
     shifts = (np.arange(GROUP_WIDTH, dtype=np.uint32) * bits)
     word = ((q >> 4) << shifts).sum(axis=-1, dtype=np.uint64).astype(dtype)
     return np.concatenate([nibbles, word[..., None].view(np.uint8)], axis=-1)

@@ -8,7 +8,8 @@ attribute, defaults included), written beside the converted config.json the firs
 reads that; the folder's name already digests the file's header and transformers' version
 (gguf_cache.py), so the snapshot can only be stale if specserve changes what it writes (FORMAT).
 
-A config whose rope type is not the default is not snapshotted: its frequencies come from
+A config whose rope type is not the default (for any layer type, where the config keeps one set of
+rope parameters per type, as Gemma 3's does) is not snapshotted: its frequencies come from
 transformers' own functions, which expect the real config object.
 """
 
@@ -34,11 +35,15 @@ class ConfigSnapshot(SimpleNamespace):
 
 def can_snapshot(hf_config: Any) -> bool:
     """Only configs whose every use in the engine is an attribute read: default rope, as
-    engine/models/arch.py reads the rope type (rope_scaling is rope_parameters' old name)."""
+    engine/models/arch.py reads the rope type (rope_scaling is rope_parameters' old name), in
+    the parameters of every layer type too where there are several (Gemma 3's
+    {"full_attention": {...}, "sliding_attention": {...}})."""
     params = getattr(hf_config, "rope_parameters", None) or {}
     legacy = getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type")
-    return (rope_type or "default") == "default"
+    per_layer_type = [value for value in params.values() if isinstance(value, dict)]
+    rope_types = [params.get("rope_type") or legacy.get("rope_type") or legacy.get("type")]
+    rope_types += [value.get("rope_type") for value in per_layer_type]
+    return all((rope_type or "default") == "default" for rope_type in rope_types)
 
 
 def write_snapshot(folder: str, hf_config: Any) -> None:

@@ -3,9 +3,10 @@
 
 transformers dequantizes the whole model to build a module first (~25 s for the embedded 135M
 model); here each tensor is read from the memory map (engine/models/gguf_file.py), renamed by
-llama.cpp's tensor names, and its q/k rows put back in the order transformers' GGUF loader puts
-them, so the expanded tensors are bit for bit the ones transformers loads, and the names the ones
-its model class has (tests/engine/test_gguf_checkpoint.py checks both against transformers).
+llama.cpp's tensor names, and what llama.cpp's converter changed (a Llama file's q/k row order, a
+Gemma 3 file's norms, stored plus one) undone as transformers' GGUF loader undoes it, so the
+expanded tensors are bit for bit the ones transformers loads, and the names the ones its model
+class has (tests/engine/test_gguf_checkpoint.py checks both against transformers).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# `general.architecture` values read here: the Llama family of engine/models/arch.py (a Mistral
-# file says "llama")
-GGUF_ARCHITECTURES = ("llama", "qwen2")
+# `general.architecture` values read here: the models of engine/models/arch.py (a Mistral file says
+# "llama"; a Gemma 3 file holds the text model alone, transformers' gemma3_text)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 Weight = torch.Tensor | PackedWeight
 
@@ -52,8 +53,7 @@ def check_architecture(layout: GGUFLayout) -> str:
     architecture = layout.metadata.get("general.architecture")
     if architecture not in GGUF_ARCHITECTURES:
         raise ValueError(f"{layout.path} holds a {architecture!r} model; specserve reads GGUF "
-                         f"files of the architectures {', '.join(GGUF_ARCHITECTURES)} "
-                         f"(Llama family)")
+                         f"files of the architectures {', '.join(GGUF_ARCHITECTURES)}")
     return architecture
 
 
@@ -76,10 +76,11 @@ def read_gguf_weights(layout: GGUFLayout, hf_config: transformers.PretrainedConf
                         tensor.name)
             continue
         rows = llama_cpp_row_order(architecture, tensor.name, tensor.data.shape[0], hf_config)
+        minus_one = is_stored_plus_one(architecture, tensor.name)
         fmt = tensor.tensor_type.name
         if packed and tensor.data.ndim == 2 and fmt not in PACKED_FORMATS + ("F32",):
             expanded_formats.add(fmt)
-        weights[hf_name] = _read_tensor(tensor, rows, dtype, packed)
+        weights[hf_name] = _read_tensor(tensor, rows, dtype, packed, minus_one)
     if expanded_formats:
         logger.warning("%s: %s weights are not kept packed (packed formats: %s); expanded to "
                        "float32", layout.path, ", ".join(sorted(expanded_formats)),
@@ -96,6 +97,7 @@ def read_gguf_config(path: str) -> transformers.PretrainedConfig:
 
     hf_config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name,
                                                         local_files_only=True)
+    _take_qwen3_head_dim(path, hf_config)
     if not getattr(hf_config, "architectures", None):
         # NOTE: the class's name from transformers' table: the class itself imports its model code
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -104,7 +106,22 @@ def read_gguf_config(path: str) -> transformers.PretrainedConfig:
     return hf_config
 
 
-# llama.cpp's tensor names (gguf-py's TENSOR_NAMES) -> the Hugging Face modules of the Llama family
+def _take_qwen3_head_dim(path: str, hf_config: transformers.PretrainedConfig) -> None:
+    """transformers' GGUF config reads no head size for qwen3 (it maps no key_length), so every
+    Qwen3 file gets Qwen3Config's default of 128, right for every released Qwen3; a file whose
+    `qwen3.attention.key_length` says otherwise, which transformers then cannot load at all, gets
+    the file's. Files transformers loads are read as it reads them."""
+    if getattr(hf_config, "model_type", None) != "qwen3":
+        return
+    key_length = read_gguf_layout(path).metadata.get("qwen3.attention.key_length")
+    if isinstance(key_length, int) and key_length != hf_config.head_dim:
+        logger.info("%s: head_dim %d from qwen3.attention.key_length (transformers' GGUF config "
+                    "leaves Qwen3Config's %d)", path, key_length, hf_config.head_dim)
+        hf_config.head_dim = key_length
+
+
+# llama.cpp's tensor names (gguf-py's TENSOR_NAMES) -> the Hugging Face modules, as gguf-py's
+# per-architecture name maps (which transformers' GGUF loader uses) pair them
 _MODEL_MODULES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                   "output": "lm_head"}
 _LAYER_MODULES = {
@@ -112,6 +129,14 @@ _LAYER_MODULES = {
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Qwen 3 and Gemma 3 normalize each head's queries and keys before the rotation
+_QK_NORM_MODULES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma 3 puts a norm before and after each sublayer: its ffn_norm is the one before the MLP, and
+# "post_attention" means after attention's output (Llama's name for the norm before the MLP)
+_GEMMA3_NORM_MODULES = {
+    "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 
@@ -121,16 +146,29 @@ def hf_parameter_names(architecture: str,
     class of this config has (tested against that class's state_dict; building even a meta-device
     model to list them took ~3 s, mostly importing its code)."""
     biased = {"attn_q", "attn_k", "attn_v"} if architecture == "qwen2" else set()
-    if getattr(hf_config, "attention_bias", False):  # Llama's flag: every attention projection
+    if getattr(hf_config, "attention_bias", False):  # every attention projection
         biased |= {"attn_q", "attn_k", "attn_v", "attn_output"}
-    if getattr(hf_config, "mlp_bias", False):
+    if getattr(hf_config, "mlp_bias", False):  # Llama's flag (Qwen 3 and Gemma 3 have none)
         biased |= {"ffn_gate", "ffn_up", "ffn_down"}
+    layer_modules = dict(_LAYER_MODULES)
+    if architecture in ("qwen3", "gemma3"):
+        layer_modules |= _QK_NORM_MODULES
+    if architecture == "gemma3":
+        layer_modules |= _GEMMA3_NORM_MODULES
     names = {f"{stem}.weight": f"{module}.weight" for stem, module in _MODEL_MODULES.items()}
     for layer in range(hf_config.num_hidden_layers):
-        for stem, module in _LAYER_MODULES.items():
+        for stem, module in layer_modules.items():
             for suffix in ("weight", "bias") if stem in biased else ("weight",):
                 names[f"blk.{layer}.{stem}.{suffix}"] = f"model.layers.{layer}.{module}.{suffix}"
     return names
+
+
+def is_stored_plus_one(architecture: str, name: str) -> bool:
+    """Whether the GGUF tensor `name` holds w + 1 for the model's w: Gemma's RMSNorm scales by
+    1 + w, and llama.cpp's converter folds that 1 into every norm it writes. transformers' GGUF
+    loader (Gemma2TensorProcessor, which gemma3 files use) subtracts 1 again from every tensor
+    whose GGUF name contains "norm.weight": the same test here, so the same tensors."""
+    return architecture == "gemma3" and "norm.weight" in name
 
 
 def llama_cpp_row_order(architecture: str, name: str, num_rows: int,
@@ -156,12 +194,13 @@ def llama_cpp_row_order(architecture: str, name: str, num_rows: int,
 
 
 def _read_tensor(tensor: GGUFTensor, rows: np.ndarray | None, dtype: torch.dtype,
-                 packed: bool) -> Weight:
+                 packed: bool, minus_one: bool = False) -> Weight:
     """One tensor out of the memory map, its rows in `rows` order (copied: the file may change
-    while we serve; rows are picked from the file's bytes, which moves whole rows of blocks)."""
+    while we serve; rows are picked from the file's bytes, which moves whole rows of blocks);
+    `minus_one`: expanded, then 1 subtracted (is_stored_plus_one)."""
     fmt = tensor.tensor_type.name
     values = np.array(tensor.data) if rows is None else tensor.data[rows]
-    if tensor.data.ndim == 2 and fmt in PACKED_FORMATS:
+    if tensor.data.ndim == 2 and fmt in PACKED_FORMATS and not minus_one:
         in_features = int(tensor.shape[0])  # GGML lists the fastest-moving dimension first
         blocks = torch.from_numpy(values.view(np.uint8))  # [out, bytes per row]
         weight = PackedWeight(fmt, blocks, (blocks.shape[0], in_features))
@@ -172,7 +211,12 @@ def _read_tensor(tensor: GGUFTensor, rows: np.ndarray | None, dtype: torch.dtype
     except NotImplementedError:
         raise ValueError(f"tensor {tensor.name} is stored as {fmt}, which gguf-py cannot "
                          f"dequantize") from None
-    expanded = torch.from_numpy(np.asarray(values, dtype=np.float32))
+    values = np.asarray(values, dtype=np.float32)
+    if minus_one:
+        # NOTE: float32 minus one, as transformers' `weights - 1` on the same array, before any
+        # cast to `dtype`: w + 1 stored in float32 does not always come back as w exactly
+        values = values - np.float32(1.0)
+    expanded = torch.from_numpy(values)
     return expanded if packed else expanded.to(dtype)
 
 

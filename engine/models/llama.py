@@ -55,6 +55,26 @@ def new_norm(arch: LlamaArch, size: int | None = None) -> RMSNorm:
     return RMSNorm(size or arch.hidden_size, arch.rms_norm_eps, scale_in_float32=arch.gemma_norms)
 
 
+def scale_embeddings(x: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Gemma's embeddings times sqrt(hidden), the scale cast to x's dtype as its reference does;
+    None: x as it is."""
+    if scale is None:
+        return x
+    return x * torch.tensor(scale, dtype=torch.float32).to(x.dtype)
+
+
+class ScaledEmbedding(nn.Module):
+    """A table's rows as the model's forward embeds them (scale_embeddings): what a drafter
+    reads, as its trainer read transformers' get_input_embeddings()."""
+
+    def __init__(self, table: nn.Module, scale: float) -> None:
+        super().__init__()
+        self.table, self.scale = table, scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return scale_embeddings(self.table(input_ids), self.scale)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables indexed by absolute position; computed in float32 like the reference."""
 
@@ -272,11 +292,7 @@ class LlamaForCausalLM(nn.Module):
         return self._scaled(self.tp_group.all_reduce(x.masked_fill_(outside[:, None], 0.0)))
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
-        """Gemma's embeddings times sqrt(hidden), the scale cast to x's dtype as its reference
-        does; others as they are."""
-        if self.arch.embedding_scale is None:
-            return x
-        return x * torch.tensor(self.arch.embedding_scale, dtype=torch.float32).to(x.dtype)
+        return scale_embeddings(x, self.arch.embedding_scale)
 
     def use_tensor_parallel(self, group, vocab_start: int, vocab_widths: list[int]) -> None:
         """This module is one rank's shard (engine/runner/sharding.py): every row-parallel output

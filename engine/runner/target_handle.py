@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from engine.models.arch import LlamaArch
+from engine.models.llama import ScaledEmbedding
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,12 @@ class TargetHandle:
     checkpoint: str | None = None
 
     @property
-    def embed_tokens(self) -> nn.Embedding:
-        return self.model.embed_tokens
+    def embed_tokens(self) -> nn.Module:
+        """ids -> the target's input embeddings as its forward embeds them (Gemma's scale
+        included), as drafters' trainers read them (transformers' get_input_embeddings())."""
+        if self.arch.embedding_scale is None:
+            return self.model.embed_tokens
+        return ScaledEmbedding(self.model.embed_tokens, self.arch.embedding_scale)
 
     @property
     def lm_head(self) -> nn.Module:

@@ -20,7 +20,8 @@
 // Up to 12 rows (a decode or verification step's 1 + k) share one pass over a group's stream: its
 // weights are dequantized in registers once for all of them and never stored. The register blocking
 // (kTileGroups) depends on the vector width, the bits do not. AVX-512 (a group's 16 outputs in one
-// 512-bit register, 32 registers; 4-bit formats dequantize in "nibble order", see nibble_values):
+// 512-bit register, 32 registers; 4-bit formats, Q5_0 and Q5_1 dequantize in "nibble order", see
+// nibble_values):
 // 1 row x 4 groups, 2-4 rows x 2 groups, 5-12 rows x 1 group. AVX2 (two 256-bit registers per group,
 // 16 registers): 1 row x 4 groups (the scales spill to L1 and feed the FMAs as memory operands),
 // 2-6 rows x 1 group, 7-12 rows x 1 group in two passes, one per half of its 16 lanes (the second
@@ -58,8 +59,11 @@ constexpr int64_t kGroupWidth = 16;  // output features per group
 // 1 + k); more rows (prefill) take the bulk path over a dequantized buffer
 constexpr int64_t kFusedRows = 12;
 
-// format ids, as kernels/quantized_gemm.py numbers them
-enum Format : int64_t { kF32 = 0, kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kF16, kBF16 };
+// format ids, as kernels/quantized_gemm.py numbers them (new ones go at the end: ids are stable)
+enum Format : int64_t {
+  kF32 = 0, kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kF16, kBF16, kQ5_0, kQ5_1
+};
+constexpr int64_t kLastFormat = kQ5_1;
 
 #ifdef SPECSERVE_QUANTIZED_GEMM
 
@@ -182,6 +186,29 @@ inline __m512 nibble_values(const uint8_t* p) {
                                        12 - kOffset, 13 - kOffset, 14 - kOffset, 15 - kOffset);
   return _mm512_permutexvar_ps(spread, values);
 }
+// the 16 5-bit values of a k (8 bytes of nibbles, then the 16-bit word of fifth bits), in nibble
+// order, as float(value - offset), exactly: each lane's index into a 32-float table is its nibble
+// (as in nibble_values) with its row's fifth bit at bit 4, which picks the table's upper half
+template <int kOffset>
+inline __m512 five_bit_values(const uint8_t* p) {
+  const __m512i word = _mm512_set1_epi64(static_cast<long long>(load_u64(p)));
+  const __m512i spread = _mm512_srlv_epi64(word, _mm512_setr_epi64(0, 4, 8, 12, 16, 20, 24, 28));
+  // the 32 bits at p + 6 (within the k's 10 bytes: a load broadcast, no scalar work) hold the
+  // fifth bits' word at bits 16-31; lane 4a + b holds row 4b + a, whose bit 16 + 4b + a lands at 4
+  int32_t around_word;
+  std::memcpy(&around_word, p + 6, sizeof(around_word));
+  const __m512i high = _mm512_srlv_epi32(
+      _mm512_set1_epi32(around_word),
+      _mm512_setr_epi32(12, 16, 20, 24, 13, 17, 21, 25, 14, 18, 22, 26, 15, 19, 23, 27));
+  // bits 0-3 from spread, the rest from high (the permute reads bits 0-4 only)
+  const __m512i index = _mm512_ternarylogic_epi32(spread, high, _mm512_set1_epi32(0x0F), 0xE4);
+  const __m512 low_values = _mm512_setr_ps(
+      0 - kOffset, 1 - kOffset, 2 - kOffset, 3 - kOffset, 4 - kOffset, 5 - kOffset, 6 - kOffset,
+      7 - kOffset, 8 - kOffset, 9 - kOffset, 10 - kOffset, 11 - kOffset, 12 - kOffset,
+      13 - kOffset, 14 - kOffset, 15 - kOffset);
+  const __m512 high_values = _mm512_add_ps(low_values, _mm512_set1_ps(16.0f));  // exact: small ints
+  return _mm512_permutex2var_ps(low_values, index, high_values);
+}
 constexpr bool kNibbleOrder = true;
 #else
 constexpr bool kNibbleOrder = false;
@@ -275,6 +302,71 @@ struct Q4_1 {  // header: d[16], m[16] f16;  w = d * q + m (one FMA: d * q is ex
     PartInt n[kParts];
     nibbles16(q, n);
     for (int part = 0; part < kParts; ++part) w[part] = fmadd(d[part], to_float(n[part]), m[part]);
+#endif
+  }
+};
+
+// Q5_0 and Q5_1: per k, 8 bytes of low nibbles (as Q4_0) and a 16-bit word of fifth bits
+// (row j's at bit j). AVX-512 reads them in nibble order (five_bit_values); AVX2 in row order:
+#ifndef SPECSERVE_WIDE
+// the 16 rows' fifth bits at bit 4 of their lanes (other bits: garbage), in row order. The 32 bits
+// at q + 6 (within the k's 10 bytes: a load broadcast) hold the word at bits 16-31: row j's bit,
+// 16 + j, shifts right by 12 + j to bit 4
+inline void fifth_bits16(const uint8_t* q, __m256i* out) {
+  int32_t around_word;
+  std::memcpy(&around_word, q + 6, sizeof(around_word));
+  const __m256i all = _mm256_set1_epi32(around_word);
+  out[0] = _mm256_srlv_epi32(all, _mm256_setr_epi32(12, 13, 14, 15, 16, 17, 18, 19));
+  out[1] = _mm256_srlv_epi32(all, _mm256_setr_epi32(20, 21, 22, 23, 24, 25, 26, 27));
+}
+#endif
+
+struct Q5_0 {  // header: d[16] f16;  w = d * (q - 16)
+  static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 32, kQuant = 10;
+  static constexpr bool kLaneOrder = kNibbleOrder;
+  Part d[kParts];
+  void begin_sub(const uint8_t* rec, int64_t) {
+    halves16(rec, d);
+    to_lanes<kLaneOrder>(d);
+  }
+  void weights(const uint8_t* q, Part* w) const {
+#ifdef SPECSERVE_WIDE
+    w[0] = mul(d[0], five_bit_values<16>(q));
+#else
+    PartInt n[kParts], high[kParts];
+    nibbles16(q, n);
+    fifth_bits16(q, high);
+    const __m256i sixteen = _mm256_set1_epi32(16);
+    for (int part = 0; part < kParts; ++part) {  // q - 16 = nibble - (16 where the fifth bit is 0)
+      const __m256i centred = _mm256_sub_epi32(n[part], _mm256_andnot_si256(high[part], sixteen));
+      w[part] = mul(d[part], to_float(centred));
+    }
+#endif
+  }
+};
+
+struct Q5_1 {  // header: d[16], m[16] f16;  w = d * q + m (one FMA: d * q is exact)
+  static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 64, kQuant = 10;
+  static constexpr bool kLaneOrder = kNibbleOrder;
+  Part d[kParts], m[kParts];
+  void begin_sub(const uint8_t* rec, int64_t) {
+    halves16(rec, d);
+    halves16(rec + 32, m);
+    to_lanes<kLaneOrder>(d);
+    to_lanes<kLaneOrder>(m);
+  }
+  void weights(const uint8_t* q, Part* w) const {
+#ifdef SPECSERVE_WIDE
+    w[0] = fmadd(d[0], five_bit_values<0>(q), m[0]);
+#else
+    PartInt n[kParts], high[kParts];
+    nibbles16(q, n);
+    fifth_bits16(q, high);
+    const __m256i sixteen = _mm256_set1_epi32(16);
+    for (int part = 0; part < kParts; ++part) {
+      const __m256i value = _mm256_or_si256(n[part], _mm256_and_si256(high[part], sixteen));
+      w[part] = fmadd(d[part], to_float(value), m[part]);
+    }
 #endif
   }
 };
@@ -568,6 +660,8 @@ void dispatch(int64_t format, Args&&... args) {
     case kQ6_K: return Op<Q6_K>::run(args...);
     case kF16: return Op<F16>::run(args...);
     case kBF16: return Op<BF16>::run(args...);
+    case kQ5_0: return Op<Q5_0>::run(args...);
+    case kQ5_1: return Op<Q5_1>::run(args...);
   }
   TORCH_CHECK(false, "quantized_gemm: unknown format id " + text(format));
 }
@@ -607,7 +701,7 @@ struct LinearRangeOp {
 };
 
 int64_t group_bytes_or_zero(int64_t format, int64_t K) {
-  if (format < kF32 || format > kBF16) return 0;
+  if (format < kF32 || format > kLastFormat) return 0;
   int64_t block = 0, bytes = 0;
   dispatch<BlockOp>(format, &block);
   if (K <= 0 || K % block != 0) return 0;

