@@ -1,6 +1,7 @@
 """specserve beside llama.cpp's llama-server on the same GGUF, over HTTP, in one run (issue 29).
 
-llama.cpp serves the embedded Q4_1 file itself and the F32 GGUF made from it, each without
+llama.cpp serves the GGUF file itself (the embedded Q4_1 one, or --gguf) and the F32 GGUF made
+from it, each without
 speculation and with its best n-gram speculation; specserve serves the same file packed (its
 default) and expanded to float32, each with no speculation, its default speculation and fixed
 suffix k = 8. Every configuration gets the same token ids (the chat workloads and the held-out
@@ -11,10 +12,12 @@ aims at; then how many prompts each configuration answers with transformers' gre
 
 Run: python -m benchmarks.bench_llamacpp --llama-server PATH/llama-server [--max-tokens 128]
      [--repeats 3] [--threads 2] [--weights packed float32] [--configs none default suffix]
-     [--llama-files Q4_1 F32] [--sets chat heldout] [--no-reference] [--by-file] [--save F.json]
+     [--gguf F.gguf] [--llama-files file F32] [--sets chat heldout] [--no-reference] [--by-file]
+     [--save F.json]
 Without --llama-server (or when the binary is missing) only specserve is measured, with a message.
-The F32 GGUF is made once from the embedded Q4_1 file with llama-quantize (next to llama-server),
-so it holds exactly the dequantized weights. ../shared/TOOLCHAIN.md: how to build llama.cpp.
+The F32 GGUF is made once from the file with llama-quantize (next to llama-server), so it holds
+exactly the dequantized weights. A model without a chat template (a base model) gets each
+workload's message as plain text. ../shared/TOOLCHAIN.md: how to build llama.cpp.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ LLAMACPP_NGRAM = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "
                   "--spec-ngram-simple-size-m", "8"]
 LLAMACPP_SPECS = {"none": [], "ngram": LLAMACPP_NGRAM}
 # the GGUF whose weights each specserve weight mode runs: the ratios pair them
-SAME_FILE = {"packed": "Q4_1", "float32": "F32"}
+SAME_FILE = {"packed": "file", "float32": "F32"}
 
 
 @dataclass(frozen=True)
@@ -69,13 +72,12 @@ class Prompt:
     token_ids: list[int] = field(hash=False)
 
 
-def f32_gguf(llama_server: Path, out_dir: Path) -> Path:
-    """The embedded Q4_1 weights dequantized to an F32 GGUF, as transformers and specserve run
-    them."""
-    target = out_dir / "smollm2-135m-instruct-f32.gguf"
+def f32_gguf(llama_server: Path, out_dir: Path, source: str) -> Path:
+    """`source`'s weights dequantized to an F32 GGUF, as transformers and specserve run them."""
+    target = out_dir / f"{Path(source).stem}-f32.gguf"
     if not target.exists():
         subprocess.run([str(llama_server.parent / "llama-quantize"), "--allow-requantize",
-                        embedded_gguf_path(), str(target), "F32"], check=True,
+                        source, str(target), "F32"], check=True,
                        capture_output=True, env=_llama_env(llama_server))
     return target
 
@@ -106,6 +108,8 @@ def start_servers(args: argparse.Namespace, weights_modes: list[str],
                        "--max-model-len", "4096", "--kv-cache-memory-gib", "0.25",
                        "--speculative-config", SPECSERVE_CONFIGS[name],
                        *SPECSERVE_WEIGHTS[weights]]
+            if args.gguf is not None:
+                command += ["--model", args.gguf]
             if args.threads is not None:
                 command += ["--num-threads", str(args.threads)]
             servers.append(SpecserveServer(f"specserve {weights} {name}", command, port,
@@ -118,7 +122,8 @@ def start_servers(args: argparse.Namespace, weights_modes: list[str],
         print(f"llama.cpp skipped: {'no --llama-server given' if binary is None else binary} "
               "(build it as ../shared/TOOLCHAIN.md says)")
         return servers
-    files = {"Q4_1": embedded_gguf_path(), "F32": str(f32_gguf(binary, Path(args.gguf_dir)))}
+    source = args.gguf or embedded_gguf_path()
+    files = {"file": source, "F32": str(f32_gguf(binary, Path(args.gguf_dir), source))}
     threads = str(args.threads or os.cpu_count())
     for file in llama_files:
         for spec, extra in LLAMACPP_SPECS.items():
@@ -153,7 +158,8 @@ def reference_texts(prompts: list[Prompt], tokenizer, args) -> list[tuple[list[i
     takes minutes to make them."""
     cache_path = Path(args.reference_cache)
     cache = json.loads(cache_path.read_text()) if cache_path.exists() else {}
-    keys = [f"{args.max_tokens}:{','.join(map(str, p.token_ids))}" for p in prompts]
+    model = "" if args.gguf is None else f"{Path(args.gguf).name}:"
+    keys = [f"{model}{args.max_tokens}:{','.join(map(str, p.token_ids))}" for p in prompts]
     missing = [i for i, key in enumerate(keys) if key not in cache]
     if missing:
         import torch
@@ -163,7 +169,7 @@ def reference_texts(prompts: list[Prompt], tokenizer, args) -> list[tuple[list[i
 
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        model = load_transformers_model(None, torch.float32)
+        model = load_transformers_model(args.gguf, torch.float32)
         for n, index in enumerate(missing):
             print(f"transformers reference {n + 1}/{len(missing)}", file=sys.stderr)
             _, cache[keys[index]] = time_transformers(model, prompts[index].token_ids,
@@ -191,8 +197,11 @@ def main() -> None:
                         choices=sorted(SPECSERVE_WEIGHTS))
     parser.add_argument("--configs", nargs="+", default=["none", "default", "suffix"],
                         choices=sorted(SPECSERVE_CONFIGS), help="specserve speculation")
-    parser.add_argument("--llama-files", nargs="+", default=["Q4_1", "F32"],
-                        choices=["Q4_1", "F32"])
+    parser.add_argument("--gguf", default=None,
+                        help="the GGUF both servers run (default: the embedded Q4_1 model)")
+    parser.add_argument("--llama-files", nargs="+", default=["file", "F32"],
+                        choices=["file", "F32"],
+                        help="llama.cpp on the file as it is, and on its F32 expansion")
     parser.add_argument("--sets", nargs="+", default=["chat", "heldout"],
                         choices=["chat", "heldout"])
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -202,7 +211,7 @@ def main() -> None:
     parser.add_argument("--no-reference", action="store_true",
                         help="skip transformers' greedy text (and the match column)")
     parser.add_argument("--by-file", action="store_true",
-                        help="one group at a time (packed beside llama.cpp Q4_1, then float32 "
+                        help="one group at a time (packed beside llama.cpp on the file, then float32 "
                              "beside F32) instead of every server up at once: less memory")
     parser.add_argument("--reference-cache",
                         default=Path(tempfile.gettempdir()) / "bench-llamacpp-reference.json",
@@ -220,7 +229,7 @@ def main() -> None:
                         help="keep the timings already in --save and measure only what is missing")
     args = parser.parse_args()
 
-    tokenizer = load_tokenizer(None)
+    tokenizer = load_tokenizer(args.gguf)
     prompts = workload_prompts(tokenizer, args.sets)
     references = None if args.no_reference else reference_texts(prompts, tokenizer, args)
     timings = load_timings(args, prompts) if args.resume else {}

@@ -8,6 +8,8 @@ texts are literal, not read from the installed Python, so the prompts stay the s
 
 from __future__ import annotations
 
+from loadtest.workloads import user_prompt_ids
+
 _OPEN_CHAT = [
     "What are some good habits for keeping a small vegetable garden healthy through a dry summer?",
     "I want to start running but I get bored quickly. How can I make it a habit that sticks?",
@@ -200,11 +202,5 @@ HELDOUT_PROMPTS: dict[str, list[str]] = {
 
 def heldout_chat_prompts(tokenizer) -> dict[str, list[list[int]]]:
     """Token ids of every held-out prompt after the tokenizer's chat template, by kind."""
-    out = {}
-    for kind, messages in HELDOUT_PROMPTS.items():
-        out[kind] = []
-        for message in messages:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": message}],
-                                                 tokenize=False, add_generation_prompt=True)
-            out[kind].append(tokenizer.encode(text, add_special_tokens=False))
-    return out
+    return {kind: [user_prompt_ids(tokenizer, message) for message in messages]
+            for kind, messages in HELDOUT_PROMPTS.items()}

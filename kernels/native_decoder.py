@@ -24,8 +24,9 @@ def new_native_decoder(hidden_size: int, num_heads: int, num_kv_heads: int, head
                        intermediate_size: int, rms_norm_eps: float, attention_scale: float,
                        final_norm: torch.Tensor | None):
     """An empty pass (torch.classes.specserve.NativeDecoder) for a model of these shapes (no
-    final norm: it returns the residual stream): add its layers, their linears' parts and the KV
-    caches, then call `forward`."""
+    final norm: it returns the residual stream): add its layers (with each layer's family
+    switches: set_head_norms, set_output_norms, set_activation, set_sliding), their linears'
+    parts and the KV caches, then call `forward`."""
     ops = torch.ops.specserve
     return torch.classes.specserve.NativeDecoder(
         ops.quantized_gemm_entry_points(), ops.paged_attention_entry_points(), hidden_size,

@@ -37,9 +37,14 @@ WORKLOADS: dict[str, str] = {
 
 def chat_prompts(tokenizer) -> dict[str, list[int]]:
     """Token ids of each workload after the tokenizer's chat template."""
-    out = {}
-    for name, message in WORKLOADS.items():
-        text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
-                                             add_generation_prompt=True)
-        out[name] = tokenizer.encode(text, add_special_tokens=False)
-    return out
+    return {name: user_prompt_ids(tokenizer, message) for name, message in WORKLOADS.items()}
+
+
+def user_prompt_ids(tokenizer, message: str) -> list[int]:
+    """One user message as the model's prompt: through its chat template, or, for a model with
+    none (a base model), the message as plain text after the tokenizer's own special tokens."""
+    if not getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(message)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

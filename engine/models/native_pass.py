@@ -1,5 +1,9 @@
 """A packed or float32 model's forward on the CPU as one native call, when its shapes allow it.
 
+It runs every family engine/models/llama.py does (Llama, Mistral, Qwen2, Qwen3, Gemma 3: per-head
+q/k norms, output norms, GeGLU, sliding layers with their own window and RoPE tables) and the
+EAGLE heads' plain layers.
+
 A float32 Llama on the CPU with packed linears and specserve's fused ops runs ~400 torch ops a
 step, each a dispatch and most an OpenMP fork and join; `kernels/csrc/native_decoder.cpp` runs the
 same kernels, bit for bit, in one parallel region. The torch path stays the reference and serves
@@ -32,6 +36,8 @@ NATIVE_STAGES = ("norms", "q|k|v", "rotary + KV write", "attention", "o-projecti
 # the decoder's linears, as (module path within a layer, the pass's name for it)
 _LINEARS = (("self_attn.qkv_proj", "qkv"), ("self_attn.o_proj", "o"),
             ("mlp.gate_up_proj", "gate_up"), ("mlp.down_proj", "down"))
+# the MLP activations the pass runs (NativeDecoder.set_activation), by their Hugging Face names
+_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def native_pass_enabled() -> bool:
@@ -101,14 +107,19 @@ class NativePass:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """x: [T, hidden] embedded; cos, sin: [T, head_dim / 2]. Returns the final-norm hidden
         states, the residual stream entering each of `aux_layers`, side by side, and the LM
-        head's logits at `logits_rows` ([R] int64; needs `has_head`), else None."""
+        head's logits at `logits_rows` ([R] int64; needs `has_head`), else None. local_rotary:
+        the sliding layers' (cos, sin) where they have their own (Gemma 3); the sliding layers
+        read `meta.windowed`, as LlamaForCausalLM._decode's do."""
         if kv_caches is not self._kv_caches:  # NOTE: a runner keeps one list for its lifetime
             self._decoder.set_kv_caches(list(kv_caches))
             self._kv_caches = kv_caches
         kernel = meta.kernel
+        windowed = meta.windowed or meta
+        local_cos, local_sin = (None, None) if local_rotary is None else local_rotary
         hidden, aux, logits = self._decoder.forward(
-            x, cos, sin, meta.slot_mapping, kernel.block_tables, kernel.seq_lens,
-            kernel.cu_num_query_tokens, meta.tree_mask, kernel.sliding_window or 0,
+            x, cos, sin, local_cos, local_sin, meta.slot_mapping, kernel.block_tables,
+            kernel.seq_lens, kernel.cu_num_query_tokens, meta.tree_mask,
+            kernel.sliding_window or 0, windowed.tree_mask, windowed.kernel.sliding_window or 0,
             list(aux_layers), logits_rows)
         return hidden, aux, None if logits_rows is None else logits
 
@@ -136,6 +147,12 @@ def adopt_float32_layers(layers: list[nn.Module]) -> bool:
     return True
 
 
+def _output_norm(layer: nn.Module, block: str) -> nn.Module | None:
+    """Gemma 3's norm of a block's output ("attention" or "mlp"); None where the layer has none (an
+    EAGLE-3 head's layer has no such attribute)."""
+    return getattr(layer, f"{block}_output_norm", None)
+
+
 def _unsupported(layers: list[nn.Module], final_norm: nn.Module | None) -> str | None:
     if not native_pass_enabled():
         return f"{NATIVE_PASS_ENV}=0"
@@ -148,14 +165,19 @@ def _unsupported(layers: list[nn.Module], final_norm: nn.Module | None) -> str |
             return "batch-invariant kernels"
         if attention.tp_group is not None:
             return "tensor parallelism"
-        if attention.q_norm is not None or attention.sliding or layer.mlp.hidden_act != "silu" \
-                or getattr(layer, "attention_output_norm", None) is not None:
-            return "the family's q/k norms, sliding layers, GeGLU or output norms"
+        if layer.mlp.hidden_act not in _ACTIVATIONS:
+            return f"layer {index}'s activation {layer.mlp.hidden_act!r}"
+        if (attention.q_norm is None) != (attention.k_norm is None):
+            return f"layer {index} has a norm of q or of k, not both"
+        if (_output_norm(layer, "attention") is None) != (_output_norm(layer, "mlp") is None):
+            return f"layer {index} has an output norm on attention or on the MLP, not both"
         for path, _ in _LINEARS:
             if not isinstance(layer.get_submodule(path), QuantizedLinear):
                 return f"layer {index}'s {path} is not packed"
-        norms += [norm for norm in (layer.input_layernorm, layer.post_attention_layernorm)
-                  if not isinstance(norm, nn.Identity)]
+        norms += [norm for norm in (layer.input_layernorm, layer.post_attention_layernorm,
+                                    attention.q_norm, attention.k_norm,
+                                    _output_norm(layer, "attention"), _output_norm(layer, "mlp"))
+                  if norm is not None and not isinstance(norm, nn.Identity)]
     if any(norm.weight.dtype != torch.float32 or norm.weight.device.type != "cpu"
            for norm in norms):
         return "norms are not float32 on the CPU"
@@ -179,6 +201,15 @@ def _new_decoder(layers: list[nn.Module], final_norm: nn.Module | None) -> torch
         input_norm = layer.input_layernorm
         decoder.add_layer(None if isinstance(input_norm, nn.Identity) else input_norm.weight.detach(),
                           layer.post_attention_layernorm.weight.detach())
+        attention = layer.self_attn
+        if attention.q_norm is not None:
+            decoder.set_head_norms(index, attention.q_norm.weight.detach(),
+                                   attention.k_norm.weight.detach())
+        if _output_norm(layer, "attention") is not None:
+            decoder.set_output_norms(index, _output_norm(layer, "attention").weight.detach(),
+                                     _output_norm(layer, "mlp").weight.detach())
+        decoder.set_activation(index, layer.mlp.hidden_act)
+        decoder.set_sliding(index, attention.sliding)
         for path, name in _LINEARS:
             linear = layer.get_submodule(path)
             for part, bias in zip(linear.parts, linear.bias_parts):

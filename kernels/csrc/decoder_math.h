@@ -36,4 +36,18 @@ inline void silu_and_mul_row(const float* gate, const float* up, int64_t width, 
   for (int64_t i = 0; i < width; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+// out = gelu_tanh(gate) * up, torch's F.gelu(gate, approximate="tanh") * up (Gemma's GeGLU).
+// gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2 / pi) (g + 0.044715 g^3); since
+// 0.5 (1 + tanh(u)) = 1 / (1 + exp(-2u)), it is computed as g / (1 + exp(-2u)): one exp per
+// element like SiLU (no tanh call), and no cancellation in 1 + tanh(u) where tanh(u) is near -1.
+inline void gelu_tanh_and_mul_row(const float* gate, const float* up, int64_t width, float* out) {
+  constexpr float kMinusTwoSqrtTwoOverPi = -1.5957691216057308f;  // -2 sqrt(2 / pi)
+  constexpr float kCubic = 0.044715f;
+  for (int64_t i = 0; i < width; ++i) {
+    const float g = gate[i];
+    const float inner = g + kCubic * (g * g * g);
+    out[i] = g / (1.0f + std::exp(kMinusTwoSqrtTwoOverPi * inner)) * up[i];
+  }
+}
+
 }  // namespace specserve_math

@@ -2,10 +2,11 @@
 //
 // A decode step of a 30-layer model runs ~1,000 torch ops between its matmuls; each costs a dispatch
 // and a sweep over the activations. These fuse them per layer: RMSNorm (with the residual add before
-// it), rotary embedding of q and k in place, and SiLU(gate) * up. Every row is computed on its own in
-// a fixed order, so results do not depend on the batch. Rotary uses the same rounded products and
-// sums as the torch reference (bit-identical); RMSNorm's sum of squares and SiLU's exp round
-// differently from torch's vectorized ones (~1 ulp), like any other kernel's would.
+// it), rotary embedding of q and k in place, and SiLU(gate) * up or GeLU-tanh(gate) * up (Gemma's
+// GeGLU). Every row is computed on its own in a fixed order, so results do not depend on the batch.
+// Rotary uses the same rounded products and sums as the torch reference (bit-identical); RMSNorm's
+// sum of squares and the activations' exp round differently from torch's vectorized ones (~1 ulp),
+// like any other kernel's would.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -97,11 +98,13 @@ void rotary_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int6
   });
 }
 
-// gate_up: [T, 2 * I] (gate then up) -> [T, I] = silu(gate) * up, silu(g) = g / (1 + exp(-g))
-at::Tensor silu_and_mul(const at::Tensor& gate_up) {
-  check_rows(gate_up, "silu_and_mul: gate_up");
+// gate_up: [T, 2 * I] (gate then up) -> [T, I] = act(gate) * up, one row at a time by `row_op`
+// (decoder_math.h's silu_and_mul_row or gelu_tanh_and_mul_row)
+template <class RowOp>
+at::Tensor gated_activation(const at::Tensor& gate_up, const char* name, RowOp row_op) {
+  check_rows(gate_up, name);
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) == 2 * width, "silu_and_mul: odd width");
+  TORCH_CHECK(gate_up.size(1) == 2 * width, name, ": odd width");
   at::Tensor out = at::empty({rows, width}, gate_up.options());
   const float* g_ptr = gate_up.const_data_ptr<float>();
   float* o_ptr = out.data_ptr<float>();
@@ -109,12 +112,21 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* gate = g_ptr + r * g_stride;
-      const float* up = gate + width;
-      float* o = o_ptr + r * width;
-      specserve_math::silu_and_mul_row(gate, up, width, o);
+      row_op(gate, gate + width, width, o_ptr + r * width);
     }
   });
   return out;
+}
+
+// silu(gate) * up, silu(g) = g / (1 + exp(-g))
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  return gated_activation(gate_up, "silu_and_mul: gate_up", specserve_math::silu_and_mul_row);
+}
+
+// gelu_tanh(gate) * up, as torch's F.gelu(gate, approximate="tanh") * up (Gemma's GeGLU)
+at::Tensor gelu_tanh_and_mul(const at::Tensor& gate_up) {
+  return gated_activation(gate_up, "gelu_tanh_and_mul: gate_up",
+                          specserve_math::gelu_tanh_and_mul_row);
 }
 
 }  // namespace
@@ -126,4 +138,5 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
   m.def("rotary_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_rotated_heads, int head_dim) -> ()",
         &rotary_);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
+  m.def("gelu_tanh_and_mul(Tensor gate_up) -> Tensor", &gelu_tanh_and_mul);
 }

@@ -1,4 +1,5 @@
-// A Llama-family decoder's forward pass on packed weights, as ONE native call on the CPU.
+// A Llama-family decoder's forward pass on packed weights, as ONE native call on the CPU (Llama,
+// Mistral, Qwen2, Qwen3 and Gemma 3: the per-layer switches below).
 //
 // The torch path (engine/models/llama.py with specserve's ops) runs ~400 ops a decode step; each is a
 // dispatch, and each parallel one an OpenMP fork and join in which every thread must turn up. On two
@@ -12,14 +13,23 @@
 // Per layer, for the T rows of the step:
 //   each thread  RMSNorm of the residual rows (its own copy: no stage needed)
 //   pieces       q|k|v = x W_qkv^T (+ bias); the residual rows EAGLE-3 reads, copied out
-//   rows         rotary on q and k, q to a contiguous buffer, k and v to the cache
-//   pieces       paged attention work items (one plan serves every layer)
-//   pieces       o-projection, each piece adding its features into the residual
+//   rows         per-head RMSNorm of q and k (Qwen3, Gemma 3), rotary on q and k, q to a
+//                contiguous buffer, k and v to the cache
+//   pieces       paged attention work items (one plan serves every full layer, another every
+//                sliding one)
+//   pieces       o-projection, each piece adding its features into the residual; with an
+//                attention output norm (Gemma 3) each piece only writes its features, and
+//   rows         the output's RMSNorm, added into the residual
 //   each thread  RMSNorm of the residual rows
-//   pieces       gate and up of the same features, then SiLU(gate) * up
-//   pieces       down-projection, added into the residual
+//   pieces       gate and up of the same features, then SiLU(gate) * up or GeLU-tanh(gate) * up
+//   pieces       down-projection, added into the residual; with an MLP output norm, written, and
+//   rows         the output's RMSNorm, added into the residual
 // then the final RMSNorm, by rows, and, where the caller names rows and a head was added, the LM
 // head on those rows only (the rows that sample), in pieces like any projection.
+//
+// A sliding layer of a model that mixes sliding and full layers (Gemma 3) reads the step's
+// windowed layout (its own window and tree masks, the same block tables) and the local RoPE
+// tables, as engine/models/llama.py's sliding layers read AttentionMetadata.windowed.
 //
 // The same pass runs EAGLE's draft heads, one decoder layer each: without an input norm (the
 // EAGLE authors' layer reads fc's output as it is) and without a final norm (the head returns the
@@ -27,9 +37,10 @@
 // and a feature side by side, each under its own norm, the feature (or its norm) being the residual.
 //
 // Numerics: bit for bit the torch path's. The matmuls and attention are the very same compiled
-// kernels, reached through entry_points.h; the norms, rotary and SiLU share decoder_math.h with
-// decoder_ops.cpp; residual adds are single IEEE adds, as torch's. Every output element is computed
-// by one thread in a fixed order, whatever the split into pieces or the number of threads.
+// kernels, reached through entry_points.h; the norms (per-head and output norms included), rotary
+// and the gated activations share decoder_math.h with decoder_ops.cpp; residual adds are single
+// IEEE adds, as torch's. Every output element is computed by one thread in a fixed order, whatever
+// the split into pieces or the number of threads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -81,8 +92,19 @@ struct Linear {
   int64_t in_features = 0, out_features = 0;
 };
 
+// act(gate) * up of a layer's MLP
+enum class Activation { kSilu, kGeluTanh };
+
 struct Layer {
   at::Tensor input_norm, post_norm, kv_cache;
+  // RMSNorms over each head of q and of k before RoPE (Qwen3, Gemma 3); undefined: none
+  at::Tensor q_norm, k_norm;
+  // RMSNorms of the attention's and the MLP's outputs before each residual add (Gemma 3);
+  // undefined: none
+  at::Tensor attention_output_norm, mlp_output_norm;
+  Activation activation = Activation::kSilu;
+  // reads forward's windowed layout and local RoPE tables
+  bool sliding = false;
   Linear qkv, o, gate_up, down;
 };
 
@@ -158,12 +180,40 @@ class NativeDecoder : public torch::CustomClassHolder {
     ready_.reset();
   }
 
+  // Qwen3's and Gemma 3's per-head norms of q and k ([head_dim] each), applied before RoPE
+  void set_head_norms(int64_t layer, at::Tensor q_norm, at::Tensor k_norm) {
+    check_vector(q_norm, head_dim_, "q norm");
+    check_vector(k_norm, head_dim_, "k norm");
+    Layer& l = layer_at(layer);
+    l.q_norm = std::move(q_norm);
+    l.k_norm = std::move(k_norm);
+  }
+
+  // Gemma 3's norms of the attention's and the MLP's outputs ([hidden] each), before each
+  // residual add
+  void set_output_norms(int64_t layer, at::Tensor attention_output_norm,
+                        at::Tensor mlp_output_norm) {
+    check_vector(attention_output_norm, hidden_, "attention output norm");
+    check_vector(mlp_output_norm, hidden_, "MLP output norm");
+    Layer& l = layer_at(layer);
+    l.attention_output_norm = std::move(attention_output_norm);
+    l.mlp_output_norm = std::move(mlp_output_norm);
+  }
+
+  // the MLP's activation by its Hugging Face name: "silu" (the default) or "gelu_pytorch_tanh"
+  void set_activation(int64_t layer, const std::string& name) {
+    TORCH_CHECK(name == "silu" || name == "gelu_pytorch_tanh",
+                "NativeDecoder: no activation named " + name);
+    layer_at(layer).activation = name == "silu" ? Activation::kSilu : Activation::kGeluTanh;
+  }
+
+  // a sliding layer reads forward's windowed layout and its local RoPE tables
+  void set_sliding(int64_t layer, bool sliding) { layer_at(layer).sliding = sliding; }
+
   // one part of a layer's linear ("qkv", "o", "gate_up", "down"), parts in output order
   void add_linear_part(int64_t layer, std::string which, int64_t format, at::Tensor groups,
                        int64_t out_features, int64_t in_features, std::optional<at::Tensor> bias) {
-    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()),
-                "NativeDecoder: no layer " + text(layer));
-    append_part(linear_named(layers_[layer], which), format, std::move(groups), out_features,
+    append_part(linear_named(layer_at(layer), which), format, std::move(groups), out_features,
                 in_features, std::move(bias));
   }
 
@@ -185,6 +235,12 @@ class NativeDecoder : public torch::CustomClassHolder {
   }
 
  private:
+  Layer& layer_at(int64_t layer) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()),
+                "NativeDecoder: no layer " + text(layer));
+    return layers_[layer];
+  }
+
   void append_part(Linear& linear, int64_t format, at::Tensor groups, int64_t out_features,
                    int64_t in_features, std::optional<at::Tensor> bias) {
     TORCH_CHECK(groups.scalar_type() == at::kByte && groups.dim() == 2 && groups.is_contiguous() &&
@@ -265,18 +321,22 @@ class NativeDecoder : public torch::CustomClassHolder {
 
  public:
   // x: [T, hidden] embedded inputs (set_feature_input: [T, 2 * hidden]); cos, sin:
-  // [T, head_dim / 2]; slot_mapping: [T] int64; block_tables [num_seqs, max_blocks], seq_lens
+  // [T, head_dim / 2]; local_cos, local_sin: the sliding layers' tables, or none (they rotate by
+  // cos and sin); slot_mapping: [T] int64; block_tables [num_seqs, max_blocks], seq_lens
   // [num_seqs], cu_num_query_tokens [num_seqs + 1]: int32; tree_mask: [T] int64 or none
-  // (engine/runner/attention.py); logits_rows: [R] int64 rows of the step, or none. Returns the
-  // final-norm hidden states [T, hidden] (without a final norm: the residual stream), the
-  // residual stream entering each of `aux_layers`, side by side in layer order ([T, distinct aux
-  // layers * hidden]), as the torch path leaves them, and the LM head's logits at logits_rows
-  // ([R, vocab]; [0, 0] without logits_rows).
+  // (engine/models/attention.py) and sliding_window (0: none) of the full layers, and
+  // windowed_tree_mask and windowed_sliding_window of the sliding layers; logits_rows: [R] int64
+  // rows of the step, or none. Returns the final-norm hidden states [T, hidden] (without a final
+  // norm: the residual stream), the residual stream entering each of `aux_layers`, side by side in
+  // layer order ([T, distinct aux layers * hidden]), as the torch path leaves them, and the LM
+  // head's logits at logits_rows ([R, vocab]; [0, 0] without logits_rows).
   std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(
-      at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping,
-      at::Tensor block_tables, at::Tensor seq_lens, at::Tensor cu_num_query_tokens,
-      std::optional<at::Tensor> tree_mask, int64_t sliding_window,
-      std::vector<int64_t> aux_layers, std::optional<at::Tensor> logits_rows) {
+      at::Tensor x, at::Tensor cos, at::Tensor sin, std::optional<at::Tensor> local_cos,
+      std::optional<at::Tensor> local_sin, at::Tensor slot_mapping, at::Tensor block_tables,
+      at::Tensor seq_lens, at::Tensor cu_num_query_tokens, std::optional<at::Tensor> tree_mask,
+      int64_t sliding_window, std::optional<at::Tensor> windowed_tree_mask,
+      int64_t windowed_sliding_window, std::vector<int64_t> aux_layers,
+      std::optional<at::Tensor> logits_rows) {
     const std::string not_ready = check_ready();
     TORCH_CHECK(not_ready.empty(), "NativeDecoder: " + not_ready);
     TORCH_CHECK(layers_[0].kv_cache.defined(), "NativeDecoder: set_kv_caches first");
@@ -284,10 +344,18 @@ class NativeDecoder : public torch::CustomClassHolder {
     TORCH_CHECK(x.dim() == 2 && x.size(1) == x_width && x.scalar_type() == at::kFloat &&
                     x.device().is_cpu(),
                 "NativeDecoder: x must be float32 [T, " + text(x_width) + "]");
-    for (const at::Tensor* t : {&cos, &sin})
+    const bool has_local_rotary = local_cos.has_value() && local_cos->defined();
+    TORCH_CHECK(has_local_rotary == (local_sin.has_value() && local_sin->defined()),
+                "NativeDecoder: local_cos and local_sin come together");
+    if (!has_local_rotary) {
+      local_cos = cos;
+      local_sin = sin;
+    }
+    for (const at::Tensor* t : {&cos, &sin, &*local_cos, &*local_sin})
       TORCH_CHECK(t->dim() == 2 && t->size(0) == T && t->size(1) == half &&
                       t->scalar_type() == at::kFloat && t->stride(1) == 1,
-                  "NativeDecoder: cos and sin must be float32 [T, head_dim / 2] with unit stride");
+                  "NativeDecoder: cos and sin (local ones too) must be float32 "
+                  "[T, head_dim / 2] with unit stride");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                     slot_mapping.numel() == T,
                 "NativeDecoder: slot_mapping must be [T] int64");
@@ -300,13 +368,8 @@ class NativeDecoder : public torch::CustomClassHolder {
                     cu_num_query_tokens.numel() == num_seqs + 1 &&
                     cu_num_query_tokens.const_data_ptr<int32_t>()[num_seqs] == T,
                 "NativeDecoder: attention metadata must be contiguous int32 of matching sizes");
-    const int64_t* tree = nullptr;
-    if (tree_mask.has_value() && tree_mask->defined()) {
-      TORCH_CHECK(tree_mask->scalar_type() == at::kLong && tree_mask->is_contiguous() &&
-                      tree_mask->numel() == T,
-                  "NativeDecoder: tree_mask must be [T] int64");
-      tree = tree_mask->const_data_ptr<int64_t>();
-    }
+    const int64_t* tree = tree_rows(tree_mask, T);
+    const int64_t* windowed_tree = tree_rows(windowed_tree_mask, T);
     int64_t R = 0;
     const int64_t* head_rows = nullptr;
     if (logits_rows.has_value() && logits_rows->defined()) {
@@ -355,7 +418,7 @@ class NativeDecoder : public torch::CustomClassHolder {
     at::Tensor out = at::empty({T, hidden_}, options);
     at::Tensor aux = at::empty({T, static_cast<int64_t>(aux_layers.size()) * hidden_}, options);
     at::Tensor logits = at::empty({R, R > 0 ? head_.out_features : 0}, options);
-    // one buffer for the step's activations: q|k|v, q, attention, gate|up, SiLU(gate) * up, and
+    // one buffer for the step's activations: q|k|v, q, attention, gate|up, act(gate) * up, and
     // the output of a projection before it joins the residual
     const int64_t floats = T * (qkv_width + q_size + q_size + 2 * intermediate_ + intermediate_ +
                                 hidden_);
@@ -365,8 +428,8 @@ class NativeDecoder : public torch::CustomClassHolder {
     act.q = act.qkv + T * qkv_width;
     act.attended = act.q + T * q_size;
     act.gate_up = act.attended + T * q_size;
-    act.silu = act.gate_up + T * 2 * intermediate_;
-    act.projected = act.silu + T * intermediate_;
+    act.activated = act.gate_up + T * 2 * intermediate_;
+    act.projected = act.activated + T * intermediate_;
 
     AttentionProblem problem{act.q, nullptr, nullptr, block_tables.const_data_ptr<int32_t>(),
                              seq_lens.const_data_ptr<int32_t>(),
@@ -380,17 +443,27 @@ class NativeDecoder : public torch::CustomClassHolder {
     int64_t num_items = 0;
     std::unique_ptr<void, void (*)(void*)> plan(
         attention_->plan(&problem, num_seqs, num_threads, &num_items), attention_->free_plan);
+    // the sliding layers' layout: the same step under their window, with its own plan (the
+    // window changes the items' costs, so their order)
+    AttentionProblem windowed_problem = problem;
+    windowed_problem.tree_mask = windowed_tree;
+    windowed_problem.sliding_window = static_cast<int>(windowed_sliding_window);
+    int64_t windowed_num_items = 0;
+    const bool any_sliding = std::any_of(layers_.begin(), layers_.end(),
+                                         [](const Layer& l) { return l.sliding; });
+    std::unique_ptr<void, void (*)(void*)> windowed_plan(
+        any_sliding ? attention_->plan(&windowed_problem, num_seqs, num_threads,
+                                       &windowed_num_items)
+                    : nullptr,
+        attention_->free_plan);
 
-    constexpr int64_t kStagesPerLayer = 6;
+    constexpr int64_t kStagesPerLayer = 8;
     // every layer's stages, then the final norm's and the LM head's
     std::unique_ptr<StageSync[]> stages(new StageSync[num_layers * kStagesPerLayer + 2]);
 
     float* x_rows = residual.data_ptr<float>();
     float* aux_rows = aux.data_ptr<float>();
     const int64_t aux_width = aux.size(1);
-    const float* cos_ptr = cos.const_data_ptr<float>();
-    const float* sin_ptr = sin.const_data_ptr<float>();
-    const int64_t cos_stride = cos.stride(0), sin_stride = sin.stride(0);
     const PieceSize piece_size{gemm_->groups_per_task(T), num_threads};
     const PieceSize head_piece_size{gemm_->groups_per_task(std::max<int64_t>(R, 1)), num_threads};
     const int64_t scratch_floats =
@@ -413,12 +486,23 @@ class NativeDecoder : public torch::CustomClassHolder {
         stage_seconds_[stage] += now - last;
         last = now;
       };
-      // a projection whose pieces each add their output features into the residual rows
-      auto project_into_residual = [&](StageSync& sync, const Linear& linear, const float* in) {
-        run_stage(sync, linear_pieces(linear, piece_size), [&](int64_t piece) {
+      // a projection into the residual rows: without an output norm each piece adds its
+      // features; with one the pieces write theirs and a stage of rows normalizes each output
+      // row and adds it (the norm needs the whole row)
+      auto project_into_residual = [&](StageSync* sync, const Linear& linear, const float* in,
+                                       const at::Tensor& output_norm) {
+        const bool add_now = !output_norm.defined();
+        run_stage(sync[0], linear_pieces(linear, piece_size), [&](int64_t piece) {
           const auto [n0, n1] = run_piece(linear, piece, piece_size, in, T, act.projected,
                                           hidden_, scratch.get());
-          add_columns(act.projected, x_rows, T, n0, n1);
+          if (add_now) add_columns(act.projected, x_rows, T, n0, n1);
+        });
+        if (add_now) return;
+        run_stage(sync[1], T, [&](int64_t r) {
+          float* row = act.projected + r * hidden_;
+          specserve_math::normalize_row(row, output_norm.const_data_ptr<float>(), eps_, hidden_,
+                                        row);
+          add_columns(row, x_rows + r * hidden_, 1, 0, hidden_);
         });
       };
       for (int64_t li = 0; li < num_layers; ++li) {
@@ -456,14 +540,22 @@ class NativeDecoder : public torch::CustomClassHolder {
                       hidden_ * sizeof(float));
         });
         mark(kQkv);
-        // rotary, q gathered, k and v into the cache
+        // per-head norms of q and k, rotary, q gathered, k and v into the cache
         const float* cache = layer.kv_cache.const_data_ptr<float>();
         float* key_cache = const_cast<float*>(cache);
         float* value_cache = key_cache + num_kv_heads_ * num_slots * head_dim_;
+        const at::Tensor& layer_cos = layer.sliding ? *local_cos : cos;
+        const at::Tensor& layer_sin = layer.sliding ? *local_sin : sin;
         run_stage(stage[1], T, [&](int64_t r) {
           float* row = act.qkv + r * qkv_width;
-          specserve_math::rotate_heads(row, cos_ptr + r * cos_stride, sin_ptr + r * sin_stride,
-                                       num_heads_ + num_kv_heads_, head_dim_);
+          if (layer.q_norm.defined()) {
+            normalize_heads(row, layer.q_norm.const_data_ptr<float>(), num_heads_);
+            normalize_heads(row + q_size, layer.k_norm.const_data_ptr<float>(), num_kv_heads_);
+          }
+          specserve_math::rotate_heads(
+              row, layer_cos.const_data_ptr<float>() + r * layer_cos.stride(0),
+              layer_sin.const_data_ptr<float>() + r * layer_sin.stride(0),
+              num_heads_ + num_kv_heads_, head_dim_);
           std::memcpy(act.q + r * q_size, row, q_size * sizeof(float));
           for (int64_t h = 0; h < num_kv_heads_; ++h) {
             const int64_t at = (h * num_slots + slots[r]) * head_dim_;
@@ -473,24 +565,28 @@ class NativeDecoder : public torch::CustomClassHolder {
           }
         });
         mark(kRotaryAndCache);
-        AttentionProblem layer_problem = problem;
+        AttentionProblem layer_problem = layer.sliding ? windowed_problem : problem;
         layer_problem.key_cache = key_cache;
         layer_problem.value_cache = value_cache;
-        run_stage(stage[2], num_items, [&](int64_t item) {
-          attention_->run_item(&layer_problem, plan.get(), item, attention_scratch.get());
+        const void* layer_plan = layer.sliding ? windowed_plan.get() : plan.get();
+        run_stage(stage[2], layer.sliding ? windowed_num_items : num_items, [&](int64_t item) {
+          attention_->run_item(&layer_problem, layer_plan, item, attention_scratch.get());
         });
         mark(kAttention);
-        // o-projection, into the residual
-        project_into_residual(stage[3], layer.o, act.attended);
+        // o-projection (and its output norm), into the residual
+        project_into_residual(&stage[3], layer.o, act.attended, layer.attention_output_norm);
         mark(kOutProjection);
         normalize_rows(x_rows, layer.post_norm.const_data_ptr<float>(), T, normed.get());
         mark(kNorms);
-        // gate and up of the same features, then SiLU(gate) * up
+        // gate and up of the same features, then act(gate) * up
         const std::pair<GroupSpan, GroupSpan> spans = gate_and_up(layer.gate_up);
         const GroupSpan &gate = spans.first, &up = spans.second;
         const int64_t gate_groups = piece_size.groups(gate.num_groups);
         const int64_t gate_pieces = (gate.num_groups + gate_groups - 1) / gate_groups;
-        run_stage(stage[4], gate_pieces, [&](int64_t piece) {
+        const auto activation_row = layer.activation == Activation::kSilu
+                                        ? specserve_math::silu_and_mul_row
+                                        : specserve_math::gelu_tanh_and_mul_row;
+        run_stage(stage[5], gate_pieces, [&](int64_t piece) {
           const int64_t g0 = piece * gate_groups;
           const int64_t g1 = std::min(g0 + gate_groups, gate.num_groups);
           run_span(gate, g0, g1, normed.get(), T, act.gate_up, 2 * intermediate_, scratch.get());
@@ -500,13 +596,13 @@ class NativeDecoder : public torch::CustomClassHolder {
           const int64_t c1 = std::min(g1 * gemm_->group_width, intermediate_);
           for (int64_t r = 0; r < T; ++r) {
             const float* g = act.gate_up + r * 2 * intermediate_;
-            specserve_math::silu_and_mul_row(g + c0, g + intermediate_ + c0, c1 - c0,
-                                             act.silu + r * intermediate_ + c0);
+            activation_row(g + c0, g + intermediate_ + c0, c1 - c0,
+                           act.activated + r * intermediate_ + c0);
           }
         });
         mark(kGateUp);
-        // down-projection, into the residual
-        project_into_residual(stage[5], layer.down, act.silu);
+        // down-projection (and its output norm), into the residual
+        project_into_residual(&stage[6], layer.down, act.activated, layer.mlp_output_norm);
         mark(kDown);
       }
       run_stage(stages[num_layers * kStagesPerLayer], T, [&](int64_t r) {
@@ -538,7 +634,8 @@ class NativeDecoder : public torch::CustomClassHolder {
 
   // With profiling on, every forward adds thread 0's seconds per stage kind to stage_seconds()
   // (benchmarks/bench_decode_breakdown.py): norms, q|k|v, rotary and cache writes, attention,
-  // o-projection, gate|up with SiLU, down-projection, LM head.
+  // o-projection, gate|up with the activation, down-projection, LM head (an output norm's rows
+  // count with its projection).
   void set_profiling(bool on) {
     profiling_ = on;
     stage_seconds_.assign(kNumStages, 0.0);
@@ -547,7 +644,7 @@ class NativeDecoder : public torch::CustomClassHolder {
 
  private:
   struct Activations {
-    float *qkv, *q, *attended, *gate_up, *silu, *projected;
+    float *qkv, *q, *attended, *gate_up, *activated, *projected;
   };
 
   // the width of forward's x and of the first layer's q|k|v input
@@ -628,6 +725,23 @@ class NativeDecoder : public torch::CustomClassHolder {
     return {0, 0};
   }
 
+  // each of `num_heads` consecutive heads of one row through its norm, in place (q's or k's
+  // heads, as Attention._normalize_heads in engine/models/llama.py)
+  void normalize_heads(float* heads, const float* weight, int64_t num_heads) const {
+    for (int64_t h = 0; h < num_heads; ++h)
+      specserve_math::normalize_row(heads + h * head_dim_, weight, eps_, head_dim_,
+                                    heads + h * head_dim_);
+  }
+
+  // a [T] int64 tree mask's rows, or nullptr where there is none
+  static const int64_t* tree_rows(const std::optional<at::Tensor>& tree_mask, int64_t T) {
+    if (!tree_mask.has_value() || !tree_mask->defined()) return nullptr;
+    TORCH_CHECK(tree_mask->scalar_type() == at::kLong && tree_mask->is_contiguous() &&
+                    tree_mask->numel() == T,
+                "NativeDecoder: a tree mask must be [T] int64");
+    return tree_mask->const_data_ptr<int64_t>();
+  }
+
   void normalize_rows(const float* x, const float* weight, int64_t T, float* out) const {
     for (int64_t r = 0; r < T; ++r)
       specserve_math::normalize_row(x + r * hidden_, weight, eps_, hidden_, out + r * hidden_);
@@ -693,6 +807,10 @@ TORCH_LIBRARY_FRAGMENT(specserve, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
                        double, std::optional<at::Tensor>>())
       .def("add_layer", &NativeDecoder::add_layer)
+      .def("set_head_norms", &NativeDecoder::set_head_norms)
+      .def("set_output_norms", &NativeDecoder::set_output_norms)
+      .def("set_activation", &NativeDecoder::set_activation)
+      .def("set_sliding", &NativeDecoder::set_sliding)
       .def("add_linear_part", &NativeDecoder::add_linear_part)
       .def("add_head_part", &NativeDecoder::add_head_part)
       .def("set_feature_input", &NativeDecoder::set_feature_input)

@@ -65,8 +65,23 @@ def test_silu_and_mul_matches_the_reference():
     assert torch.equal(decoder_ops.silu_and_mul(gate_up[2:3]), got[2:3])
 
 
+def test_gelu_tanh_and_mul_matches_the_reference():
+    """Gemma's GeGLU, held as close to torch's F.gelu(approximate="tanh") as SiLU is to F.silu,
+    over the whole range: the tails (exp over- and underflowing) included."""
+    gate_up = torch.randn(6, 2 * 1536, generator=torch.Generator().manual_seed(4)) * 4
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 60.0, -60.0, 1e20, -1e20])
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = decoder_ops.gelu_tanh_and_mul(gate_up)
+    torch.testing.assert_close(got, F.gelu(gate, approximate="tanh") * up, rtol=2e-6, atol=2e-6)
+    assert torch.equal(decoder_ops.gelu_tanh_and_mul(gate_up[2:3]), got[2:3])
+    assert torch.equal(decoder_ops.gelu_tanh_and_mul(gate_up[:, None].expand(6, 2, 3072)[:, 0]),
+                       got)  # rows with a stride
+
+
 def test_bad_inputs_are_refused():
     with pytest.raises(RuntimeError, match="float32"):
         decoder_ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.ones(8), 1e-6)
     with pytest.raises(RuntimeError, match="shapes do not match"):
         decoder_ops.rotary_(torch.randn(2, 64), torch.ones(2, 5), torch.ones(2, 5), 2, 32)
+    with pytest.raises(RuntimeError, match="odd width"):
+        decoder_ops.gelu_tanh_and_mul(torch.randn(2, 7))

@@ -1,7 +1,9 @@
 """The native CPU pass (engine/models/native_pass.py) gives the torch path's hidden states, logits
-(its LM head on the rows that sample), KV cache and EAGLE-3 features bit for bit: prefill chunks, decode, 2-12 verification rows, batched
-sequences, trees and a sliding window, on q/k/v and gate/up parts of different formats, with and
-without a q/k/v bias, on one thread, two, and more threads than cores."""
+(its LM head on the rows that sample), KV cache and EAGLE-3 features bit for bit: prefill chunks,
+decode, 2-12 verification rows, batched sequences, trees and a sliding window, on q/k/v and gate/up
+parts of different formats, with and without a q/k/v bias, on one thread, two, and more threads
+than cores; for Llama, Qwen2, Qwen3 (per-head q/k norms) and Gemma 3 (those, output norms, GeGLU,
+and sliding layers with their own window, tree masks and RoPE tables beside full ones)."""
 
 from __future__ import annotations
 
@@ -15,30 +17,57 @@ from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
 from engine.runner.paged_runner import PagedRunner
 from engine.step.types import SequenceRows
-from kernels.native_decoder import native_decoder_available
-from tests.helpers.native_pass_steps import ALL_PACKED, steps
+from kernels.native_decoder import native_decoder_available, new_native_decoder
+from tests.helpers.native_pass_steps import ALL_PACKED, steps, store_linears_in_half_precision
 from tests.helpers.tiny_gguf import VOCAB, write_tiny_gguf
+from tests.helpers.tiny_models import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not native_decoder_available(),
                                 reason="no C++ compiler with AVX2 and F16C for the CPU kernels")
 
 CPU = torch.device("cpu")
 NUM_BLOCKS, BLOCK_SIZE = 64, 8
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+
+
+def tiny_model_file(folder, family: str, storage: str = "packed") -> str:
+    """llama and qwen2: a GGUF of packed formats (ALL_PACKED); qwen3 and gemma3: a Hugging Face
+    folder, its linears in bfloat16 and float16 ("packed") or in float32 (the pass then runs the
+    float32 kernel's layout)."""
+    if family in ("llama", "qwen2"):
+        path = folder / f"{family}.gguf"
+        write_tiny_gguf(path, family, ALL_PACKED)
+        return str(path)
+    path = build_tiny_checkpoint(folder / family, family)
+    if storage == "packed":
+        store_linears_in_half_precision(path)
+    return path
+
+
+@pytest.fixture(scope="module",
+                params=["llama", "qwen2", "qwen3", "gemma3", "gemma3 float32"])
 def model(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp("native") / f"{request.param}.gguf"
-    write_tiny_gguf(path, request.param, ALL_PACKED)
-    module, backend = build_model(load_checkpoint(str(path), torch.float32, packed=True),
+    family, _, storage = request.param.partition(" ")
+    path = tiny_model_file(tmp_path_factory.mktemp("native"), family, storage or "packed")
+    module, backend = build_model(load_checkpoint(path, torch.float32, packed=True),
                                   torch.float32, CPU)
     assert module.native_pass is not None and "native pass" in backend
-    assert module.native_pass.has_head  # the Q4_1 output.weight runs in the pass
+    # the packed LM head (a GGUF's Q4_1 output.weight, a folder's bfloat16 one) runs in the pass
+    assert module.native_pass.has_head == (storage != "float32")
+    if family == "gemma3":  # sliding layers with their own RoPE, output norms, GeGLU
+        assert [layer.self_attn.sliding for layer in module.layers] == [True, True, False]
+        assert module.local_rotary is not None and module.layers[0].mlp_output_norm is not None
+        assert module.layers[0].mlp.hidden_act == "gelu_pytorch_tanh"
+    if family in ("qwen3", "gemma3"):
+        assert module.layers[0].self_attn.q_norm is not None
     return module
 
 
 def runner(module, sliding_window):
+    """sliding_window: over the model's full layers (Gemma 3's sliding layers keep their own)."""
     return PagedRunner(module, allocate_kv_cache(module.arch, NUM_BLOCKS, BLOCK_SIZE,
                                                  torch.float32, CPU),
-                       BlockManager(NUM_BLOCKS, BLOCK_SIZE), sliding_window, CPU)
+                       BlockManager(NUM_BLOCKS, BLOCK_SIZE), sliding_window, CPU,
+                       local_window=module.arch.local_window)
 
 
 def sampling_rows(sequences: list[SequenceRows], rng: random.Random) -> torch.Tensor:
@@ -113,12 +142,14 @@ def test_a_long_run_with_more_threads_than_cores_keeps_every_bit(model):
         torch.set_num_threads(saved_threads)
 
 
-def test_a_float32_model_runs_the_pass_with_the_float32_kernels_bits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_a_float32_model_runs_the_pass_with_the_float32_kernels_bits(tmp_path, monkeypatch,
+                                                                     family):
     """A float32 model's layers take the kernel's float32 layout for the pass; its hidden states
-    equal the same model's on the float32 matmul kernel and torch's ops, step by step."""
-    path = tmp_path / "f32.gguf"
-    write_tiny_gguf(path, "qwen2", ALL_PACKED)
-    checkpoint = load_checkpoint(str(path), torch.float32)  # expanded to float32 tensors
+    equal the same model's on the float32 matmul kernel and specserve's decoder ops (the CPU
+    float32 path without the pass), step by step."""
+    path = tiny_model_file(tmp_path, family, "float32")
+    checkpoint = load_checkpoint(path, torch.float32)  # expanded to float32 tensors
     native, backend = build_model(checkpoint, torch.float32, CPU)
     assert native.native_pass is not None and "native pass" in backend
     assert native.layers[0].mlp.down_proj.parts[0].format == "F32"
@@ -138,7 +169,7 @@ def test_a_float32_model_runs_the_pass_with_the_float32_kernels_bits(tmp_path, m
 
 def test_the_pass_is_left_out_where_it_cannot_run(tmp_path, monkeypatch):
     path = tmp_path / "mixed.gguf"
-    write_tiny_gguf(path)  # layer 0's down projection is Q5_0, which is expanded to float32
+    write_tiny_gguf(path)  # layer 0's down projection is MXFP4, which is expanded to float32
     checkpoint = load_checkpoint(str(path), torch.float32, packed=True)
     assert build_model(checkpoint, torch.float32, CPU)[0].native_pass is None
     monkeypatch.setenv("SPECSERVE_NATIVE_PASS", "0")
@@ -146,3 +177,18 @@ def test_the_pass_is_left_out_where_it_cannot_run(tmp_path, monkeypatch):
     write_tiny_gguf(path, formats=ALL_PACKED)
     checkpoint = load_checkpoint(str(path), torch.float32, packed=True)
     assert build_model(checkpoint, torch.float32, CPU)[0].native_pass is None
+
+
+def test_a_layers_switches_are_checked():
+    decoder = new_native_decoder(64, 4, 2, 16, 128, 1e-6, 0.25, None)
+    decoder.add_layer(torch.ones(64), torch.ones(64))
+    decoder.set_head_norms(0, torch.ones(16), torch.ones(16))
+    decoder.set_activation(0, "gelu_pytorch_tanh")
+    with pytest.raises(RuntimeError, match="no activation named relu"):
+        decoder.set_activation(0, "relu")
+    with pytest.raises(RuntimeError, match="q norm must be contiguous float32 \\[16\\]"):
+        decoder.set_head_norms(0, torch.ones(64), torch.ones(16))
+    with pytest.raises(RuntimeError, match="MLP output norm"):
+        decoder.set_output_norms(0, torch.ones(64), torch.ones(16))
+    with pytest.raises(RuntimeError, match="no layer 1"):
+        decoder.set_sliding(1, True)

@@ -1,7 +1,8 @@
 """EAGLE's and EAGLE-3's draft heads on the native CPU pass (engine/proposers/eagle.py's
 optimize_head) give the torch path's states and KV cache bit for bit: the EAGLE-1 layer with and
 without its input norm (the authors' heads have none), and the EAGLE-3 layer, whose q|k|v read the
-token's embedding and a feature side by side, with the residual the feature or its norm."""
+token's embedding and a feature side by side, with the residual the feature or its norm; for a
+Llama target and a Gemma 3 one (whose heads' layers are plain Llama layers of its sizes)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from engine.runner.paged_runner import PagedRunner
 from kernels.native_decoder import native_decoder_available
 from tests.helpers.native_pass_steps import ALL_PACKED, steps
 from tests.helpers.tiny_gguf import write_tiny_gguf
+from tests.helpers.tiny_models import build_tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(not native_decoder_available(),
                                 reason="no C++ compiler with AVX2 and F16C for the CPU kernels")
@@ -31,11 +33,15 @@ CPU = torch.device("cpu")
 NUM_BLOCKS, BLOCK_SIZE = 64, 8
 
 
-@pytest.fixture(scope="module")
-def target_arch(tmp_path_factory) -> LlamaArch:
-    path = tmp_path_factory.mktemp("heads") / "llama.gguf"
-    write_tiny_gguf(path, "llama", ALL_PACKED)
-    return LlamaArch.from_hf_config(load_checkpoint(str(path), torch.float32).hf_config)
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def target_arch(request, tmp_path_factory) -> LlamaArch:
+    folder = tmp_path_factory.mktemp("heads")
+    if request.param == "gemma3":
+        path = build_tiny_checkpoint(folder / "gemma3", "gemma3")
+    else:
+        path = str(folder / "llama.gguf")
+        write_tiny_gguf(path, "llama", ALL_PACKED)
+    return LlamaArch.from_hf_config(load_checkpoint(path, torch.float32).hf_config)
 
 
 def randomized(head: torch.nn.Module, seed: int) -> torch.nn.Module:
