@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from tiny_gguf import write_tiny_gguf
 from tiny_models import build_tiny_checkpoint, hf_greedy
 
 from engine import LLM, SamplingParams
@@ -115,3 +116,23 @@ def test_draft_head_layers_stay_plain_llama_layers(tmp_path):
     assert head.num_layers == 1 and head.hidden_size == arch.hidden_size
     assert not (head.qk_norm or head.gemma_norms or head.sandwich_norms or head.sliding_layers)
     assert (head.embedding_scale, head.hidden_act, head.local_window) == (None, "silu", None)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "gemma3"])
+def test_gguf_served_packed_gives_transformers_tokens(tmp_path, architecture):
+    """A tiny qwen3 / gemma3 GGUF of packed blocks, served packed (the CPU default) and expanded
+    to float32, gives transformers' greedy tokens on its own load of the same file."""
+    path = tmp_path / f"{architecture}.gguf"
+    write_tiny_gguf(path, architecture, num_layers=3)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([PROMPT]), max_new_tokens=16, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+    want = out[0, len(PROMPT):].tolist()
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for dtype in ("auto", "float32"):
+        llm = LLM(str(path), dtype=dtype, max_model_len=128, num_kv_blocks=64)
+        assert llm.engine.worker.weights_packed == (dtype == "auto")
+        got = llm.generate({"prompt_token_ids": PROMPT}, greedy)[0].outputs[0].token_ids
+        assert got == want, (dtype, got, want)
