@@ -24,7 +24,7 @@ HIDDEN_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
-class LlamaArch:
+class DecoderArch:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -78,7 +78,7 @@ class LlamaArch:
             raise ValueError(f"sliding_layers names {len(self.sliding_layers)} layers of "
                              f"{self.num_layers}")
 
-    def plain_layers(self, num_layers: int, **changes: Any) -> LlamaArch:
+    def plain_layers(self, num_layers: int, **changes: Any) -> DecoderArch:
         """This model's sizes and RoPE as `num_layers` plain Llama layers over full attention: a
         draft head's layers (EAGLE, MTP), whatever the target's family."""
         return replace(self, num_layers=num_layers, sliding_window=None, local_window=None,
@@ -100,7 +100,7 @@ class LlamaArch:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_config(cls, hf_config: Any) -> LlamaArch:
+    def from_hf_config(cls, hf_config: Any) -> DecoderArch:
         """Build from a `transformers.PretrainedConfig`; unsupported architectures fail clearly."""
         architectures = list(getattr(hf_config, "architectures", None) or [])
         model_type = getattr(hf_config, "model_type", None)

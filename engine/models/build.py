@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.cpu_linear import optimize_linears_for_cpu, packed_weights_available
 from engine.models.llama import LlamaForCausalLM, use_fused_ops
 from engine.models.loader import Checkpoint
@@ -23,13 +23,13 @@ logger = logging.getLogger(__name__)
 
 
 def build_model(checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-                gpu_kernels: str = "torch", arch: LlamaArch | None = None,
+                gpu_kernels: str = "torch", arch: DecoderArch | None = None,
                 batch_invariant: bool = False) -> tuple[LlamaForCausalLM, str]:
     """The module in eval mode on `device`, and the name of the kernels it uses (engine/config.py's
     GPU_KERNELS for gpu_kernels). `arch`: the shape the weights have, when not the checkpoint's
     (one tensor-parallel rank's shard, engine/runner/sharding.py). batch_invariant (with gpu_kernels
     "triton"): engine/models/batch_invariant.py."""
-    arch = arch or LlamaArch.from_hf_config(checkpoint.hf_config)
+    arch = arch or DecoderArch.from_hf_config(checkpoint.hf_config)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch)
     weights = checkpoint.weights
@@ -106,7 +106,7 @@ def optimize_for_cpu(model: torch.nn.Module, dtype: torch.dtype, device: torch.d
     return backend
 
 
-def allocate_kv_cache(arch: LlamaArch, num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate_kv_cache(arch: DecoderArch, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> list[torch.Tensor]:
     """Per layer: [2, num_kv_heads, num_blocks, block_size, head_dim] (engine/models/attention.py),
     zeros."""

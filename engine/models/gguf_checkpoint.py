@@ -98,6 +98,7 @@ def read_gguf_config(path: str) -> transformers.PretrainedConfig:
     hf_config = transformers.AutoConfig.from_pretrained(folder, gguf_file=name,
                                                         local_files_only=True)
     _take_qwen3_head_dim(path, hf_config)
+    _take_gemma3_rope_scaling(path, hf_config)
     if not getattr(hf_config, "architectures", None):
         # NOTE: the class's name from transformers' table: the class itself imports its model code
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -118,6 +119,26 @@ def _take_qwen3_head_dim(path: str, hf_config: transformers.PretrainedConfig) ->
         logger.info("%s: head_dim %d from qwen3.attention.key_length (transformers' GGUF config "
                     "leaves Qwen3Config's %d)", path, key_length, hf_config.head_dim)
         hf_config.head_dim = key_length
+
+
+def _take_gemma3_rope_scaling(path: str, hf_config: transformers.PretrainedConfig) -> None:
+    """Gemma 3 4B and up scale their full layers' RoPE linearly (factor 8); llama.cpp's converter
+    writes it as `gemma3.rope.scaling.type` / `.factor`, which transformers' GGUF config does not
+    map, so its own load of such a file rotates those layers unscaled (the 270M has no scaling).
+    Here the file's scaling goes where a Hugging Face config keeps it: the model as published."""
+    if getattr(hf_config, "model_type", None) != "gemma3_text":
+        return
+    metadata = read_gguf_layout(path).metadata
+    kind, factor = metadata.get("gemma3.rope.scaling.type"), metadata.get("gemma3.rope.scaling.factor")
+    if kind in (None, "none") or factor in (None, 1.0):
+        return
+    if kind != "linear":
+        raise ValueError(f"{path}: rope scaling {kind!r} on a gemma3 file; Gemma 3 scales linearly")
+    full = dict(hf_config.rope_parameters["full_attention"])
+    full.update(rope_type="linear", factor=float(factor))
+    hf_config.rope_parameters = {**hf_config.rope_parameters, "full_attention": full}
+    logger.info("%s: full layers' RoPE scaled linearly by %g (gemma3.rope.scaling.factor)", path,
+                factor)
 
 
 # llama.cpp's tensor names (gguf-py's TENSOR_NAMES) -> the Hugging Face modules, as gguf-py's

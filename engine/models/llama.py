@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -50,7 +50,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def new_norm(arch: LlamaArch, size: int | None = None) -> RMSNorm:
+def new_norm(arch: DecoderArch, size: int | None = None) -> RMSNorm:
     """An RMSNorm of this family over `size` features (default: the hidden size)."""
     return RMSNorm(size or arch.hidden_size, arch.rms_norm_eps, scale_in_float32=arch.gemma_norms)
 
@@ -105,7 +105,7 @@ class Attention(nn.Module):
     # every row's bits independent of the step's other rows (engine/models/batch_invariant.py)
     batch_invariant = False
 
-    def __init__(self, arch: LlamaArch, sliding: bool = False) -> None:
+    def __init__(self, arch: DecoderArch, sliding: bool = False) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
@@ -155,7 +155,7 @@ class MLP(nn.Module):
     # under tensor parallelism: down_proj is row-parallel, its parts summed
     tp_group = None
 
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: DecoderArch) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
@@ -179,7 +179,7 @@ class DecoderLayer(nn.Module):
     # with fused ops: each norm one op, the second with the residual add before it
     fused_ops = None
 
-    def __init__(self, arch: LlamaArch, sliding: bool = False) -> None:
+    def __init__(self, arch: DecoderArch, sliding: bool = False) -> None:
         super().__init__()
         self.input_layernorm = new_norm(arch)
         self.self_attn = Attention(arch, sliding)
@@ -207,7 +207,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: LlamaArch) -> None:
+    def __init__(self, arch: DecoderArch) -> None:
         super().__init__()
         self.arch = arch
         # NOTE: weights always come from a checkpoint, so the table is left uninitialized: a random

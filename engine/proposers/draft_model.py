@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.build import build_model
 from engine.models.loader import load_checkpoint
 from engine.proposers.base import DraftProposal, Proposer
@@ -35,7 +35,7 @@ class _DraftState:
 class DraftModelProposer(Proposer):
     def __init__(self, model_path: str, target: TargetHandle) -> None:
         checkpoint = load_checkpoint(model_path, target.dtype, packed=target.weights_packed)
-        arch = LlamaArch.from_hf_config(checkpoint.hf_config)
+        arch = DecoderArch.from_hf_config(checkpoint.hf_config)
         if arch.vocab_size != target.arch.vocab_size:
             raise ValueError(f"draft model vocab {arch.vocab_size} differs from the target's "
                              f"{target.arch.vocab_size}: a draft must share the target's tokenizer")

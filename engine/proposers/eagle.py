@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.build import optimize_for_cpu
 from engine.models.native_pass import NativePass, adopt_float32_layers
 from engine.proposers.base import DraftProposal, Proposer
@@ -114,7 +114,7 @@ class EagleProposer(Proposer):
             self.embed_tokens = target.embed_tokens
         self._start_runtime(layer_arch, target)
 
-    def _start_runtime(self, layer_arch: LlamaArch, target: TargetHandle) -> None:
+    def _start_runtime(self, layer_arch: DecoderArch, target: TargetHandle) -> None:
         """Around a loaded head: its paged KV cache (a layer per layer of `layer_arch`, blocks
         sized as the target's), the features kept per target KV slot, the per-request states."""
         self.feature_size = layer_arch.hidden_size

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import MLP, Attention, RMSNorm, RotaryEmbedding
 from engine.proposers.head_weights import read_json_config, read_weights
@@ -70,7 +70,7 @@ class Eagle3Config:
         return int(self.layer["hidden_size"])
 
     @classmethod
-    def for_target(cls, target: LlamaArch, draft_vocab_size: int,
+    def for_target(cls, target: DecoderArch, draft_vocab_size: int,
                    feature_layers: tuple[int, ...]) -> Eagle3Config:
         """A head shaped like one layer of the target (what `train-speculator` trains); saved in
         the speculators layout, as vLLM's speculators library writes it."""
@@ -117,7 +117,7 @@ class Eagle3Config:
         return cls(layout, layer, vocab_size, draft_vocab_size, int(target_hidden),
                    None if not ids else tuple(int(i) for i in ids), norm_before_residual)
 
-    def layers_for(self, target: LlamaArch, folder: str) -> tuple[int, ...]:
+    def layers_for(self, target: DecoderArch, folder: str) -> tuple[int, ...]:
         """The target layers to read, checked against the target's depth."""
         ids = self.feature_layers or default_feature_layers(target.num_layers)
         if len(ids) != 3 or list(ids) != sorted(set(ids)) or ids[0] < 0 \
@@ -128,9 +128,9 @@ class Eagle3Config:
                              f"{target.num_layers}")
         return ids
 
-    def layer_arch(self, target: LlamaArch) -> LlamaArch:
+    def layer_arch(self, target: DecoderArch) -> DecoderArch:
         """The head's decoder layer; rotary from its own config, or the target's when it names none."""
-        own = LlamaArch.from_hf_config(SimpleNamespace(**{
+        own = DecoderArch.from_hf_config(SimpleNamespace(**{
             **self.layer, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}))
         has_rope = any(key in self.layer for key in ("rope_theta", "rope_scaling",
                                                      "rope_parameters"))
@@ -146,7 +146,7 @@ class Eagle3Head(nn.Module):
     # proposer built one; None = the modules below
     native_pass = None
 
-    def __init__(self, config: Eagle3Config, arch: LlamaArch, has_embeddings: bool) -> None:
+    def __init__(self, config: Eagle3Config, arch: DecoderArch, has_embeddings: bool) -> None:
         super().__init__()
         self.config = config
         hidden = arch.hidden_size
@@ -224,7 +224,7 @@ class Eagle3Head(nn.Module):
             }, f, indent=2)
 
     @classmethod
-    def load(cls, folder: str, target: LlamaArch, dtype: torch.dtype,
+    def load(cls, folder: str, target: DecoderArch, dtype: torch.dtype,
              device: torch.device) -> tuple[Eagle3Head, tuple[int, ...]]:
         """The head and the target layers it reads; a head for another model fails here."""
         config = Eagle3Config.read(folder)

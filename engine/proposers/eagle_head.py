@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import DecoderLayer, RotaryEmbedding
 from engine.proposers.speculator_folder import (
@@ -64,7 +64,7 @@ class EagleConfig:
     rope_attention_scaling: float = 1.0
 
     @classmethod
-    def for_target(cls, arch: LlamaArch, draft_vocab_size: int, trained_for: str = "") -> EagleConfig:
+    def for_target(cls, arch: DecoderArch, draft_vocab_size: int, trained_for: str = "") -> EagleConfig:
         """A head shaped like one layer of the target."""
         return cls(hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
                    num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
@@ -72,7 +72,7 @@ class EagleConfig:
                    rms_norm_eps=arch.rms_norm_eps, draft_vocab_size=draft_vocab_size,
                    trained_for=trained_for)
 
-    def layer_arch(self, target: LlamaArch) -> LlamaArch:
+    def layer_arch(self, target: DecoderArch) -> DecoderArch:
         """The head's layer takes the target's context length, and its rotary frequencies unless
         the head names its own."""
         arch = target.plain_layers(1, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
@@ -84,7 +84,7 @@ class EagleConfig:
                            rope_attention_scaling=self.rope_attention_scaling)
         return arch
 
-    def check_fits(self, target: LlamaArch, folder: str) -> None:
+    def check_fits(self, target: DecoderArch, folder: str) -> None:
         check_made_for(target, "the EAGLE head was", folder, self.hidden_size, self.vocab_size)
 
     def save(self, folder: str) -> None:
@@ -100,7 +100,7 @@ class EagleHead(nn.Module):
     # proposer built one; None = the layer's modules
     native_pass = None
 
-    def __init__(self, config: EagleConfig, target: LlamaArch) -> None:
+    def __init__(self, config: EagleConfig, target: DecoderArch) -> None:
         super().__init__()
         self.config = config
         arch = config.layer_arch(target)
@@ -141,7 +141,7 @@ class EagleHead(nn.Module):
                   os.path.join(folder, WEIGHTS_FILE))
 
     @classmethod
-    def read(cls, folder: str, target: LlamaArch) -> EagleHead:
+    def read(cls, folder: str, target: DecoderArch) -> EagleHead:
         """specserve's own head folder (engine/proposers/published_eagle.py's load_eagle_head also
         reads the EAGLE authors'); a head for another model fails here."""
         config = EagleConfig.load(folder)
@@ -154,7 +154,7 @@ class EagleHead(nn.Module):
                              f"target's")
         return head
 
-    def placed(self, target: LlamaArch, dtype: torch.dtype, device: torch.device) -> EagleHead:
+    def placed(self, target: DecoderArch, dtype: torch.dtype, device: torch.device) -> EagleHead:
         """The head in `dtype` on `device`, for inference."""
         head = self.to(device=device, dtype=dtype).eval()
         # NOTE: rotary frequencies stay float32 whatever the weights' dtype, as in the target

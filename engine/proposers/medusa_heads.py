@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.proposers.speculator_folder import (
     WEIGHTS_FILE,
     check_made_for,
@@ -71,7 +71,7 @@ class MedusaConfig:
     def projection_width(self) -> int:
         return self.draft_vocab_size or self.vocab_size
 
-    def check_fits(self, target: LlamaArch, folder: str) -> None:
+    def check_fits(self, target: DecoderArch, folder: str) -> None:
         check_made_for(target, "the Medusa heads were", folder, self.hidden_size, self.vocab_size)
 
     def save(self, folder: str) -> None:

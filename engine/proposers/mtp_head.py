@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import DecoderLayer, RMSNorm, RotaryEmbedding
 from engine.proposers.published_eagle import load_decoder_layer
@@ -95,7 +95,7 @@ class MtpLayer(nn.Module):
     # proposer built one; None = the layer's modules
     native_pass = None
 
-    def __init__(self, arch: LlamaArch, layout: MtpLayout) -> None:
+    def __init__(self, arch: DecoderArch, layout: MtpLayout) -> None:
         super().__init__()
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.layout = layout
@@ -143,7 +143,7 @@ class MtpLayer(nn.Module):
 class MtpHead(nn.Module):
     """A checkpoint's N MTP layers (N = num_nextn_predict_layers), each with its own KV cache."""
 
-    def __init__(self, arch: LlamaArch, layout: MtpLayout, num_layers: int) -> None:
+    def __init__(self, arch: DecoderArch, layout: MtpLayout, num_layers: int) -> None:
         super().__init__()
         self.layout = layout
         self.layers = nn.ModuleList(MtpLayer(mtp_layer_arch(arch, 1), layout)
@@ -158,7 +158,7 @@ class MtpHead(nn.Module):
         return head
 
 
-def mtp_layer_arch(target: LlamaArch, num_layers: int) -> LlamaArch:
+def mtp_layer_arch(target: DecoderArch, num_layers: int) -> DecoderArch:
     """The MTP layers are shaped like the target's; their cache holds one layer per MTP layer.
     NOTE: full attention, as EAGLE's head: a sliding window only narrows what a draft sees."""
     return target.plain_layers(num_layers)
@@ -188,7 +188,7 @@ class CheckpointTensors:
             return handle.get_tensor(name)
 
 
-def read_mtp_head(folder: str | None, target: LlamaArch) -> MtpHead:
+def read_mtp_head(folder: str | None, target: DecoderArch) -> MtpHead:
     """The MTP layers of the target's checkpoint `folder` (float32, on the CPU); a checkpoint
     without them, or with layers that do not fit the target, fails here naming what is missing."""
     looked_for = (f'config.json "{CONFIG_KEY}" and tensors model.layers.'
@@ -222,7 +222,7 @@ def read_mtp_head(folder: str | None, target: LlamaArch) -> MtpHead:
 
 
 def _load_layer(layer: MtpLayer, tensors: CheckpointTensors, depth: int, prefix: str,
-                target: LlamaArch) -> None:
+                target: DecoderArch) -> None:
     what = f"MTP layer {depth} ({prefix}*) of {tensors.folder}"
     names = tensors.names(prefix)
     if not names:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.proposers.eagle_head import CONFIG_FILE, EagleConfig, EagleHead
 from engine.proposers.head_weights import read_json_config, read_weights
@@ -33,7 +33,7 @@ from engine.proposers.speculator_folder import check_published_method, is_publis
 LAYER_PREFIX = "layers.0."
 
 
-def load_eagle_head(folder: str, target: LlamaArch, dtype: torch.dtype,
+def load_eagle_head(folder: str, target: DecoderArch, dtype: torch.dtype,
                     device: torch.device) -> EagleHead:
     """specserve's own head folder, or one the EAGLE authors published (detected by its
     config.json and the absence of eagle_config.json), ready for inference; a head for another
@@ -55,7 +55,7 @@ def read_authors_json(folder: str) -> dict[str, Any]:
     return data
 
 
-def authors_config(folder: str, data: dict[str, Any], target: LlamaArch, has_fc_bias: bool,
+def authors_config(folder: str, data: dict[str, Any], target: DecoderArch, has_fc_bias: bool,
                    has_qkv_bias: bool, has_input_norm: bool) -> EagleConfig:
     """The EagleConfig equivalent to the authors' head (config.json `data`, and what its tensors
     show); a head for another model fails here, naming the folder and both shapes."""
@@ -78,7 +78,7 @@ def authors_config(folder: str, data: dict[str, Any], target: LlamaArch, has_fc_
     return config
 
 
-def load_authors_head(folder: str, target: LlamaArch) -> EagleHead:
+def load_authors_head(folder: str, target: DecoderArch) -> EagleHead:
     """The authors' head in `folder` as an EagleHead (float32, on the CPU), every tensor placed."""
     data = read_authors_json(folder)
     weights = {name.removeprefix("model."): tensor
@@ -114,7 +114,7 @@ def load_authors_head(folder: str, target: LlamaArch) -> EagleHead:
     return head
 
 
-def load_decoder_layer(layer: DecoderLayer, arch: LlamaArch, weights: dict[str, torch.Tensor],
+def load_decoder_layer(layer: DecoderLayer, arch: DecoderArch, weights: dict[str, torch.Tensor],
                        what: str) -> None:
     """Copy Hugging Face-named `layers.0.*` tensors into `layer` through LlamaForCausalLM's own
     loader, which fuses q/k/v and gate/up exactly as for every target. The loader runs on a carrier
@@ -131,9 +131,9 @@ def load_decoder_layer(layer: DecoderLayer, arch: LlamaArch, weights: dict[str, 
         raise ValueError(f"{what} does not fit its config.json: {error}") from None
 
 
-def _layer_arch(data: dict[str, Any]) -> LlamaArch:
+def _layer_arch(data: dict[str, Any]) -> DecoderArch:
     """The head's decoder layer as its config describes it (heads, sizes, norm eps, rotary)."""
-    return LlamaArch.from_hf_config(SimpleNamespace(**{
+    return DecoderArch.from_hf_config(SimpleNamespace(**{
         **data, "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}))
 
 

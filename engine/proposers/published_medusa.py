@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.proposers.head_weights import read_json_config, read_weights
 from engine.proposers.medusa_heads import CONFIG_FILE, MedusaConfig, MedusaHeads
 from engine.proposers.speculator_folder import published_method
@@ -37,7 +37,7 @@ _AUTHORS_BLOCK = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")
 _AUTHORS_PROJECTION = re.compile(r"(\d+)\.(\d+)\.weight")
 
 
-def load_medusa_heads(folder: str, target: LlamaArch, dtype: torch.dtype,
+def load_medusa_heads(folder: str, target: DecoderArch, dtype: torch.dtype,
                       device: torch.device) -> MedusaHeads:
     """specserve's own folder, FasterDecoding's or vLLM's, ready for inference; heads made for
     another model, or a folder of none of these layouts, fail here naming the folder."""
@@ -61,7 +61,7 @@ def authors_weight_file(folder: str) -> str | None:
     return None
 
 
-def read_authors_heads(folder: str, target: LlamaArch) -> MedusaHeads:
+def read_authors_heads(folder: str, target: DecoderArch) -> MedusaHeads:
     """FasterDecoding's layout; its config gives the head and block counts, its tensors the sizes."""
     data = read_json_config(folder) or {}
     path = authors_weight_file(folder)
@@ -93,7 +93,7 @@ def read_authors_heads(folder: str, target: LlamaArch) -> MedusaHeads:
                        shared_projection=False, draft_vocab_size=None)
 
 
-def read_vllm_heads(folder: str, target: LlamaArch) -> MedusaHeads:
+def read_vllm_heads(folder: str, target: DecoderArch) -> MedusaHeads:
     data = read_json_config(folder)
     if data is None:
         raise FileNotFoundError(
@@ -152,7 +152,7 @@ def _count(data: dict[str, Any], what: str, folder: str) -> int:
 
 
 def _heads_from(folder: str, weights: dict[str, torch.Tensor], num_heads: int, num_layers: int,
-                has_bias: bool, target: LlamaArch, shared_projection: bool,
+                has_bias: bool, target: DecoderArch, shared_projection: bool,
                 draft_vocab_size: int | None, hidden_size: int | None = None,
                 vocab_size: int | None = None) -> MedusaHeads:
     """Heads from renamed published weights: the projection is the heads' own when the file has

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.proposers.head_weights import read_json_config, read_weights
 from engine.proposers.speculator_folder import check_made_for, check_published_method
 
@@ -65,7 +65,7 @@ class PublishedMLPSpeculatorConfig:
                              f"{'with tie_weights ' if config.tie_weights else ''}is too few")
         return config
 
-    def check_fits(self, target: LlamaArch, folder: str) -> None:
+    def check_fits(self, target: DecoderArch, folder: str) -> None:
         check_made_for(target, "the speculator was", folder, self.emb_dim, self.vocab_size)
 
 
@@ -121,7 +121,7 @@ class PublishedMLPSpeculator(nn.Module):
         return self.head[index](state)
 
     @classmethod
-    def load(cls, folder: str, target: LlamaArch, dtype: torch.dtype,
+    def load(cls, folder: str, target: DecoderArch, dtype: torch.dtype,
              device: torch.device) -> PublishedMLPSpeculator:
         """The speculator in `folder`; one made for another model, or whose tensors do not fit its
         config, fails here naming the folder."""

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.models.arch import LlamaArch
+    from engine.models.arch import DecoderArch
 
 WEIGHTS_FILE = "model.safetensors"
 PUBLISHED_CONFIG_FILE = "config.json"
@@ -40,7 +40,7 @@ def read_config(folder: str, file_name: str, kind: str, what: str) -> dict[str, 
     return data
 
 
-def check_made_for(target: LlamaArch, what: str, folder: str, hidden_size: int,
+def check_made_for(target: DecoderArch, what: str, folder: str, hidden_size: int,
                    vocab_size: int) -> None:
     """A proposer reads the target's hidden states and scores its vocabulary: one made for another
     model fails at start-up, saying what it was made for. `what`: "the EAGLE head was", say."""

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from engine.kv.block_manager import BlockManager
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import AttentionMetadata, build_attention_metadata, check_tree_rows
 from engine.models.build import allocate_kv_cache
 from engine.step.types import SequenceRows
@@ -64,7 +64,7 @@ class PagedRunner:
         self.attention_backend = attention_backend
 
     @classmethod
-    def with_own_pool(cls, model: nn.Module, arch: LlamaArch, num_blocks: int, block_size: int,
+    def with_own_pool(cls, model: nn.Module, arch: DecoderArch, num_blocks: int, block_size: int,
                       dtype: torch.dtype, device: torch.device) -> PagedRunner:
         """A drafter's runner: a fresh pool of `num_blocks` and K/V for `arch`'s layers."""
         return cls(model, allocate_kv_cache(arch, num_blocks, block_size, dtype, device),

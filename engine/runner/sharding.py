@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from kernels.packed_weight import PackedWeight, block_geometry
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class ShardPlan:
         return len(self.shards)
 
     @classmethod
-    def build(cls, arch: LlamaArch, world_size: int, intermediate_unit: int = 1) -> ShardPlan:
+    def build(cls, arch: DecoderArch, world_size: int, intermediate_unit: int = 1) -> ShardPlan:
         """The split of `arch` over `world_size` ranks; `intermediate_unit`: the MLP splits in
         whole multiples of it (the down projection's block size, for packed weights)."""
         if world_size < 1:
@@ -81,7 +81,7 @@ class ShardPlan:
         vocab = even_split(arch.vocab_size, world_size)
         return cls(tuple(RankShard(q, kv, m, v) for (q, kv), m, v in zip(heads, mlp, vocab)))
 
-    def local_arch(self, arch: LlamaArch, rank: int) -> LlamaArch:
+    def local_arch(self, arch: DecoderArch, rank: int) -> DecoderArch:
         """`arch` as rank `rank` holds it: its heads, its MLP features and its vocabulary rows."""
         shard = self.shards[rank]
         return dataclasses.replace(arch, num_heads=len(shard.q_heads),
@@ -118,7 +118,7 @@ def intermediate_unit(weights: Mapping[str, Weight]) -> int:
                default=1)
 
 
-def shard_spec(name: str, arch: LlamaArch, plan: ShardPlan, rank: int) -> tuple[str, range] | None:
+def shard_spec(name: str, arch: DecoderArch, plan: ShardPlan, rank: int) -> tuple[str, range] | None:
     """Which part of the Hugging Face-named weight `name` rank `rank` holds: ("rows", range) or
     ("columns", range); None for a weight every rank holds whole (norms)."""
     shard, head_dim = plan.shards[rank], arch.head_dim
@@ -137,7 +137,7 @@ def shard_spec(name: str, arch: LlamaArch, plan: ShardPlan, rank: int) -> tuple[
     return next((spec for suffix, spec in by_suffix.items() if name.endswith(suffix)), None)
 
 
-def shard_weights(weights: Mapping[str, Weight], arch: LlamaArch, plan: ShardPlan,
+def shard_weights(weights: Mapping[str, Weight], arch: DecoderArch, plan: ShardPlan,
                   rank: int, already_sharded: Collection[str] = ()) -> dict[str, Weight]:
     """Rank `rank`'s part of a checkpoint's Hugging Face-named weights (norms whole); the weights
     named in `already_sharded` were read as this rank's part (engine/models/loader.py)."""

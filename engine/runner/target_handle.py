@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.llama import ScaledEmbedding
 
 
@@ -17,7 +17,7 @@ class TargetHandle:
     its embedding and LM head, never change them), and its KV pool's sizing (drafters size theirs
     alike, so a request that fits the target fits the drafter)."""
 
-    arch: LlamaArch
+    arch: DecoderArch
     # the target, or under tensor parallelism its whole embedding and LM head (engine/models/
     # vocab_heads.py), None there when the engine was told no drafter reads them
     model: nn.Module | None

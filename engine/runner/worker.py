@@ -15,7 +15,7 @@ import torch
 from engine.config import CacheConfig, KVCacheSpec, ModelConfig, ParallelConfig
 from engine.cpu_threads import usable_cpu_count
 from engine.kv.block_manager import BlockManager
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.build import allocate_kv_cache, build_model, optimize_for_cpu
 from engine.models.loader import Checkpoint, WeightPart, load_checkpoint
 from engine.models.memory import MemoryReport, release_freed_memory, resident_bytes
@@ -98,7 +98,7 @@ class Worker:
         self.source = checkpoint.source
         self.hf_config = checkpoint.hf_config
         # the whole model's numbers (the vocabulary the sampler sees); `local_arch`: this rank's
-        self.arch = LlamaArch.from_hf_config(checkpoint.hf_config)
+        self.arch = DecoderArch.from_hf_config(checkpoint.hf_config)
         self.gpu_kernels = model_config.resolved_gpu_kernels(self.device, self.dtype)
         self.batch_invariant = model_config.resolved_batch_invariant(self.gpu_kernels, self.device,
                                                                      self.dtype)
@@ -165,7 +165,7 @@ class Worker:
     def _rank_part(self, hf_config) -> WeightPart:
         """What this rank reads of each weight of a safetensors folder: its shard (and the
         embedding and LM head whole where drafters read them)."""
-        arch = LlamaArch.from_hf_config(hf_config)
+        arch = DecoderArch.from_hf_config(hf_config)
         plan = ShardPlan.build(arch, self.tp_size)  # NOTE: 16-bit and float weights split anywhere
         whole = set(vocab_weight_names()) if self.keeps_whole_vocab else set()
         return lambda name: None if name in whole else shard_spec(name, arch, plan, self.rank)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import AttentionMetadata
 from engine.models.llama import Attention
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_feature_layers
@@ -362,7 +362,7 @@ def run_eagle(args: argparse.Namespace, reference, tokenizer,
     """Train and save a head from (prompt + answer token ids, prompt length) pairs; returns the
     summary line."""
     started = time.perf_counter()
-    arch = LlamaArch.from_hf_config(reference.config)
+    arch = DecoderArch.from_hf_config(reference.config)
     aux_layers = default_feature_layers(arch.num_layers) if args.method == "eagle3" else ()
 
     def features(part: list[tuple[list[int], int]]) -> FeatureStream:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.mtp_head import CONFIG_KEY, DEEPSEEK, MtpLayer, mtp_layer_tensors
 from engine.training.train_eagle import (
@@ -47,7 +47,7 @@ from engine.training.train_eagle import (
 logger = logging.getLogger("specserve.train")
 
 
-def new_mtp_layer(reference, arch: LlamaArch) -> MtpLayer:
+def new_mtp_layer(reference, arch: DecoderArch) -> MtpLayer:
     """A DeepSeek-layout layer started from the target: its last decoder layer, its final norm
     before the LM head, unit input norms, a random projection."""
     layer = MtpLayer(arch, DEEPSEEK)
@@ -153,7 +153,7 @@ def run_mtp(args: argparse.Namespace, reference, tokenizer,
             sequences: list[tuple[list[int], int]]) -> str:
     """Train and save from (prompt + answer token ids, prompt length) pairs; returns the summary."""
     started = time.perf_counter()
-    arch = LlamaArch.from_hf_config(reference.config)
+    arch = DecoderArch.from_hf_config(reference.config)
     held_out_sequences, training_sequences = hold_out_prompts(sequences)
 
     def features(part: list[tuple[list[int], int]]) -> FeatureStream:

@@ -79,12 +79,12 @@ def test_draft_model_on_cuda_is_lossless(checkpoint, expected, tmp_path):
 @pytest.mark.parametrize("method", ["eagle", "mlp_speculator", "suffix"])
 def test_other_proposers_on_cuda_are_lossless(checkpoint, expected, tmp_path, method):
     """Untrained heads on the GPU: the feature plumbing, their KV and the draft q run on CUDA."""
-    from engine.models.arch import LlamaArch
+    from engine.models.arch import DecoderArch
     from engine.models.loader import load_checkpoint
     from engine.proposers.eagle_head import EagleConfig, EagleHead
     from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 
-    arch = LlamaArch.from_hf_config(load_checkpoint(checkpoint, torch.float32).hf_config)
+    arch = DecoderArch.from_hf_config(load_checkpoint(checkpoint, torch.float32).hf_config)
     config = {"method": method, "num_speculative_tokens": 3}
     if method == "eagle":
         head = EagleHead(EagleConfig.for_target(arch, arch.vocab_size), arch)

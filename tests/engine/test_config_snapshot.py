@@ -1,6 +1,6 @@
 """A warm engine start reads the GGUF's config from a snapshot of plain values and defers the
 tokenizer, so it never imports transformers; the snapshot must give the engine exactly the model the
-transformers config gives (same LlamaArch, same weights), for the embedded Llama and for Qwen 3 and
+transformers config gives (same DecoderArch, same weights), for the embedded Llama and for Qwen 3 and
 Gemma 3 files, and a config the snapshot cannot stand for (a scaled rope, for any layer type) is
 never snapshotted."""
 
@@ -18,7 +18,7 @@ from real_gemma import real_gemma_path
 from tiny_gguf import HEAD_DIMS, write_tiny_gguf
 
 from engine.models import config_snapshot, loader
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_the_snapshot_gives_the_same_model_as_the_transformers_config(cache_dir)
     warm = loader.load_checkpoint(None, torch.float32, packed=True, defer_tokenizer=True)
     assert isinstance(eager.hf_config, transformers.PretrainedConfig)
     assert isinstance(warm.hf_config, config_snapshot.ConfigSnapshot)
-    assert LlamaArch.from_hf_config(warm.hf_config) == LlamaArch.from_hf_config(eager.hf_config)
+    assert DecoderArch.from_hf_config(warm.hf_config) == DecoderArch.from_hf_config(eager.hf_config)
     assert warm.hf_config.to_dict() == eager.hf_config.to_dict()
     assert warm.weights.keys() == eager.weights.keys()
     for name, weight in eager.weights.items():
@@ -92,7 +92,7 @@ def test_a_qwen3_or_gemma3_snapshot_gives_the_same_model(cache_dir, tmp_path, ar
     assert isinstance(eager.hf_config, transformers.PretrainedConfig)
     assert isinstance(warm.hf_config, config_snapshot.ConfigSnapshot)
     assert warm.hf_config.to_dict() == eager.hf_config.to_dict()
-    assert LlamaArch.from_hf_config(warm.hf_config) == LlamaArch.from_hf_config(eager.hf_config)
+    assert DecoderArch.from_hf_config(warm.hf_config) == DecoderArch.from_hf_config(eager.hf_config)
     assert warm.hf_config.head_dim == HEAD_DIMS[architecture]
     if architecture == "gemma3":  # what the engine reads of a Gemma 3 config, as plain values
         assert warm.hf_config.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
@@ -119,7 +119,7 @@ def test_the_real_gemma3_snapshot_and_tokenizer(cache_dir):
 
     assert isinstance(warm.hf_config, config_snapshot.ConfigSnapshot)
     assert warm.hf_config.to_dict() == eager.hf_config.to_dict()
-    assert LlamaArch.from_hf_config(warm.hf_config) == LlamaArch.from_hf_config(eager.hf_config)
+    assert DecoderArch.from_hf_config(warm.hf_config) == DecoderArch.from_hf_config(eager.hf_config)
     text = "The capital of France is Paris. Ünïcödé 日本語 <start_of_turn>user"
     from_file = transformers.AutoTokenizer.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), local_files_only=True)

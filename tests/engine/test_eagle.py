@@ -14,7 +14,7 @@ from spec_outputs import pooled_acceptance_rate, token_ids
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 from engine.proposers.published_eagle import load_eagle_head
@@ -29,11 +29,11 @@ def target(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def arch(target) -> LlamaArch:
-    return LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+def arch(target) -> DecoderArch:
+    return DecoderArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
 
 
-def save_head(arch: LlamaArch, folder: str, draft_vocab_size: int = 64, seed: int = 0) -> str:
+def save_head(arch: DecoderArch, folder: str, draft_vocab_size: int = 64, seed: int = 0) -> str:
     torch.manual_seed(seed)
     head = EagleHead(EagleConfig.for_target(arch, draft_vocab_size), arch)
     head.draft_token_ids.copy_(torch.randperm(arch.vocab_size)[:draft_vocab_size].sort().values)
@@ -128,7 +128,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(target, untrained):
 
 
 def test_a_head_for_another_model_is_refused(target, tmp_path):
-    other = LlamaArch.from_hf_config(load_checkpoint(
+    other = DecoderArch.from_hf_config(load_checkpoint(
         build_tiny_checkpoint(tmp_path / "other", "llama", hidden_size=32), torch.float32).hf_config)
     save_head(other, str(tmp_path / "head"))
     with pytest.raises(ValueError, match="hidden size 32"):

@@ -24,7 +24,7 @@ from spec_outputs import pooled_acceptance_rate, token_ids
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import build_attention_metadata
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle3_head import Eagle3Head
@@ -35,7 +35,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 LAYOUTS = ("eagle3", "speculators")
 
 
-def layer_config(arch: LlamaArch, **overrides) -> dict:
+def layer_config(arch: DecoderArch, **overrides) -> dict:
     """The head's decoder layer as published: a Llama layer of the target's sizes, head_dim
     included (Qwen3's differs from hidden / heads)."""
     return {"model_type": "llama", "hidden_size": arch.hidden_size, "head_dim": arch.head_dim,
@@ -46,7 +46,7 @@ def layer_config(arch: LlamaArch, **overrides) -> dict:
             **overrides}
 
 
-def write_head(folder: str, arch: LlamaArch, layout: str, draft_vocab_size: int,
+def write_head(folder: str, arch: DecoderArch, layout: str, draft_vocab_size: int,
                feature_layers: list[int] | None = FEATURE_LAYERS, seed: int = 0) -> str:
     """A random head in `layout`: the authors' ship pytorch_model.bin and share the target's
     embedding; speculators ship model.safetensors with embeddings of their own."""
@@ -116,8 +116,8 @@ def target(request, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def arch(target) -> LlamaArch:
-    return LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+def arch(target) -> DecoderArch:
+    return DecoderArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
 
 
 # the training tests' target: the head learns the same way whatever the target's family
@@ -128,8 +128,8 @@ def llama_target(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def llama_arch(llama_target) -> LlamaArch:
-    return LlamaArch.from_hf_config(load_checkpoint(llama_target, torch.float32).hf_config)
+def llama_arch(llama_target) -> DecoderArch:
+    return DecoderArch.from_hf_config(load_checkpoint(llama_target, torch.float32).hf_config)
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
@@ -152,7 +152,7 @@ def expected(target) -> list[list[int]]:
 
 # ---- the published math, read independently -------------------------------------------------
 def reference_head(folder: str, layout: str, embeds: torch.Tensor, fused: torch.Tensor,
-                   arch: LlamaArch) -> tuple[torch.Tensor, torch.Tensor]:
+                   arch: DecoderArch) -> tuple[torch.Tensor, torch.Tensor]:
     """EAGLE-3's decoder layer written out from the saved tensors, causal over T positions:
     (state [T, hidden], draft logits [T, draft_vocab])."""
     path = os.path.join(folder, "pytorch_model.bin" if layout == "eagle3" else "model.safetensors")
@@ -275,7 +275,7 @@ def test_greedy_is_lossless_when_the_drafts_are_mostly_right(tmp_path):
 
 # ---- refused at start-up -----------------------------------------------------------------------
 def test_a_head_for_another_model_is_refused(target, arch, tmp_path):
-    other = LlamaArch.from_hf_config(load_checkpoint(build_tiny_checkpoint(
+    other = DecoderArch.from_hf_config(load_checkpoint(build_tiny_checkpoint(
         tmp_path / "wide", "llama", hidden_size=32, num_hidden_layers=4), torch.float32).hf_config)
     for layout in LAYOUTS:
         with pytest.raises(ValueError, match="hidden size 32 .*the target has 64"):
@@ -292,7 +292,7 @@ def test_eagle3s_default_layers(tmp_path):
     """No layers named: EAGLE-3's 2, L // 2, L - 3; a target too shallow for them reads its first,
     middle and last; one too shallow for three layers is refused."""
     deep = build_tiny_checkpoint(tmp_path / "deep", "llama", seed=2, num_hidden_layers=8)
-    arch = LlamaArch.from_hf_config(load_checkpoint(deep, torch.float32).hf_config)
+    arch = DecoderArch.from_hf_config(load_checkpoint(deep, torch.float32).hf_config)
     folder = write_head(str(tmp_path / "head"), arch, "speculators", 32, feature_layers=None)
     llm = spec_llm(deep, folder)
     assert llm.engine.proposer.target_feature_layers == (2, 4, 5)

@@ -20,7 +20,7 @@ from tiny_models import build_tiny_checkpoint
 from engine import LLM, SamplingParams
 from engine.adaptive.acceptance import MAX_POSITIONS, AcceptanceTracker
 from engine.draft_tree import check_parents, depth_first, paths
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle import EagleProposer
 from engine.proposers.eagle_tree import BRANCH, TreeGrowth
@@ -50,8 +50,8 @@ def greedy(cap: int | None = None, max_tokens: int = 24) -> SamplingParams:
                           num_speculative_tokens=cap)
 
 
-def arch_of(target: str) -> LlamaArch:
-    return LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+def arch_of(target: str) -> DecoderArch:
+    return DecoderArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
 
 
 def spec_llm(target: str, head: str, method: str, tree: bool = True, k: int = K) -> LLM:

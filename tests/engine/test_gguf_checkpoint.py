@@ -21,6 +21,7 @@ from transformers.modeling_gguf_pytorch_utils import (
     get_gguf_hf_weights_map,
 )
 
+from engine.models.arch import DecoderArch
 from engine.models.gguf_checkpoint import (
     hf_parameter_names,
     llama_cpp_row_order,
@@ -171,6 +172,32 @@ def test_gemma3_config_reads_the_file_as_transformers_does(tmp_path):
     # not in the metadata: Gemma3TextConfig's defaults
     assert hf_config.query_pre_attn_scalar == 256
     assert hf_config.hidden_activation == "gelu_pytorch_tanh"
+
+
+def test_gemma3_rope_scaling_in_the_file_scales_the_full_layers(tmp_path):
+    """Gemma 3 4B's linear scaling (factor 8), which transformers' GGUF config drops: the full
+    layers rotate as the published model's config says, the sliding layers unscaled."""
+    path = tmp_path / "gemma3.gguf"
+    write_tiny_gguf(path, "gemma3", num_layers=6, rope_scaling_factor=8.0)
+    hf_config = read_gguf_config(str(path))
+    assert hf_config.rope_parameters["full_attention"]["rope_type"] == "linear"
+    arch = DecoderArch.from_hf_config(hf_config)
+    published = transformers.Gemma3TextConfig(**{
+        **{k: v for k, v in hf_config.to_dict().items() if k != "transformers_version"},
+        "rope_parameters": {**hf_config.rope_parameters, "full_attention": {
+            "rope_type": "linear", "factor": 8.0,
+            "rope_theta": hf_config.rope_parameters["full_attention"]["rope_theta"]}}})
+    rotary = transformers.models.gemma3.modeling_gemma3.Gemma3RotaryEmbedding(published)
+    assert torch.equal(torch.tensor(arch.rope_inv_freq), rotary.full_attention_inv_freq)
+    assert torch.equal(torch.tensor(arch.local_rope_inv_freq), rotary.sliding_attention_inv_freq)
+    unscaled = DecoderArch.from_hf_config(read_gguf_config(str(write_unscaled(tmp_path))))
+    assert arch.rope_inv_freq[1] == pytest.approx(unscaled.rope_inv_freq[1] / 8)
+
+
+def write_unscaled(tmp_path: Path) -> Path:
+    path = tmp_path / "unscaled.gguf"
+    write_tiny_gguf(path, "gemma3", num_layers=6)
+    return path
 
 
 def test_gemma3_norms_come_back_as_stored_minus_one_in_float32(tmp_path):

@@ -24,7 +24,7 @@ from spec_outputs import token_ids
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.proposers.medusa_heads import MedusaConfig, MedusaHeads
 from engine.proposers.medusa_tree import choice_tree, cut_choices
 from engine.proposers.published_medusa import load_medusa_heads
@@ -43,10 +43,10 @@ def target(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def arch(target) -> LlamaArch:
+def arch(target) -> DecoderArch:
     import transformers
 
-    return LlamaArch.from_hf_config(transformers.AutoConfig.from_pretrained(target))
+    return DecoderArch.from_hf_config(transformers.AutoConfig.from_pretrained(target))
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def reference_logits(tensors: dict[str, torch.Tensor], hidden: torch.Tensor, num
     return torch.stack(out)
 
 
-def check_reads(folder: str, arch: LlamaArch, want: torch.Tensor, hidden: torch.Tensor,
+def check_reads(folder: str, arch: DecoderArch, want: torch.Tensor, hidden: torch.Tensor,
                 target_head: torch.Tensor | None = None, atol: float = 1e-9) -> MedusaHeads:
     heads = load_medusa_heads(folder, arch, torch.float64, torch.device("cpu"))
     lm_head = None

@@ -11,7 +11,7 @@ from tiny_gguf import write_tiny_gguf
 from tiny_models import build_tiny_checkpoint, hf_greedy
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.build import build_model
 from engine.models.loader import load_checkpoint
 from engine.runner.paged_runner import PagedRunner
@@ -70,7 +70,7 @@ def test_float32_engine_greedy_matches_transformers(tmp_path, kind):
 def test_gemma3_architecture_is_read_as_its_model_class_applies_it(tmp_path):
     path = build_tiny_checkpoint(tmp_path, "gemma3")
     config = transformers.AutoConfig.from_pretrained(path)
-    arch = LlamaArch.from_hf_config(config)
+    arch = DecoderArch.from_hf_config(config)
     assert arch.sliding_layers == (True, True, False)
     assert (arch.sliding_window, arch.local_window) == (None, 6)
     assert arch.embedding_scale == pytest.approx(8.0)
@@ -86,10 +86,10 @@ def test_gemma3_architecture_is_read_as_its_model_class_applies_it(tmp_path):
 def test_qwen3_slides_only_from_max_window_layers_on(tmp_path):
     config = transformers.Qwen3Config(num_hidden_layers=4, use_sliding_window=True,
                                       sliding_window=32, max_window_layers=2)
-    arch = LlamaArch.from_hf_config(config)
+    arch = DecoderArch.from_hf_config(config)
     assert arch.sliding_layers == (False, False, True, True)
     assert (arch.sliding_window, arch.local_window, arch.local_rope_inv_freq) == (None, 32, None)
-    plain = LlamaArch.from_hf_config(transformers.Qwen3Config(num_hidden_layers=4))
+    plain = DecoderArch.from_hf_config(transformers.Qwen3Config(num_hidden_layers=4))
     assert (plain.sliding_window, plain.local_window, plain.qkv_bias) == (None, None, False)
     assert plain.qk_norm and plain.head_dim == 128
 
@@ -105,12 +105,12 @@ def test_qwen3_with_sliding_layers_matches_transformers(tmp_path):
 def test_logit_soft_capping_is_refused_by_name():
     config = transformers.Gemma3TextConfig(num_hidden_layers=2, final_logit_softcapping=30.0)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
-        LlamaArch.from_hf_config(config)
+        DecoderArch.from_hf_config(config)
 
 
 def test_draft_head_layers_stay_plain_llama_layers(tmp_path):
     """EAGLE's and MTP's own layers take the target's sizes, never its family's extras."""
-    arch = LlamaArch.from_hf_config(transformers.AutoConfig.from_pretrained(
+    arch = DecoderArch.from_hf_config(transformers.AutoConfig.from_pretrained(
         build_tiny_checkpoint(tmp_path, "gemma3")))
     head = arch.plain_layers(1)
     assert head.num_layers == 1 and head.hidden_size == arch.hidden_size

@@ -22,7 +22,7 @@ from spec_outputs import token_ids
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import build_attention_metadata
 from engine.models.loader import load_checkpoint
 from engine.proposers.mtp import MtpProposer
@@ -104,7 +104,7 @@ def test_the_published_math_is_read_right(layout, tmp_path):
     folder = build_tiny_checkpoint(tmp_path / "t", BODIES[layout], seed=2)
     add_mtp_layers(folder, layout, num_layers=2, seed=4)
     config = read_config(folder)
-    arch = LlamaArch.from_hf_config(load_checkpoint(folder, torch.float32).hf_config)
+    arch = DecoderArch.from_hf_config(load_checkpoint(folder, torch.float32).hf_config)
     head = read_mtp_head(folder, arch).placed(torch.float64, torch.device("cpu"))
     weights = {k: v.double() for k, v in load_file(os.path.join(folder, "mtp.safetensors")).items()}
     torch.manual_seed(1)
@@ -335,7 +335,7 @@ def test_a_checkpoint_without_mtp_layers_is_refused(target, tmp_path):
     with pytest.raises(ValueError, match="no tensor under model.layers.2. .DeepSeek-V3. nor "
                                          "model.mtp_layers.0. .MiMo."):
         mtp_llm(folder)
-    arch = LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+    arch = DecoderArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
     with pytest.raises(ValueError, match="the embedded GGUF which holds none"):
         read_mtp_head(None, arch)
     with pytest.raises(ValueError, match="model.gguf, not a folder, which holds none"):

@@ -15,7 +15,7 @@ from spec_outputs import pooled_acceptance_rate, token_ids
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import build_attention_metadata
 from engine.proposers.mtp_head import read_mtp_head
 from engine.training.arguments import add_arguments
@@ -87,7 +87,7 @@ def test_the_written_folder_is_the_target_plus_the_trained_layer(target, answers
     assert {"model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight",
             "model.layers.2.hnorm.weight", "model.layers.2.shared_head.norm.weight",
             "model.layers.2.self_attn.q_proj.weight", "model.layers.2.mlp.down_proj.weight"} <= names
-    arch = LlamaArch.from_hf_config(load_reference(target).config)
+    arch = DecoderArch.from_hf_config(load_reference(target).config)
     loaded = read_mtp_head(out, arch).layers[0]
     torch.manual_seed(0)
     embeds, states = torch.randn(2, 5, arch.hidden_size)

@@ -15,7 +15,7 @@ from bigram_drafters import (
 from tiers import tiered
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 
@@ -146,7 +146,7 @@ def test_tenants_do_not_share(tiny_llama):
 
 @pytest.fixture(scope="module")
 def eagle_head_folder(tiny_llama, tmp_path_factory) -> str:
-    arch = LlamaArch.from_hf_config(load_checkpoint(tiny_llama, torch.float32).hf_config)
+    arch = DecoderArch.from_hf_config(load_checkpoint(tiny_llama, torch.float32).hf_config)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(arch, arch.vocab_size), arch)
     head.draft_token_ids.copy_(torch.arange(arch.vocab_size))

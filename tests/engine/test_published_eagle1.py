@@ -18,7 +18,7 @@ from spec_outputs import third_token_law, token_ids, two_sample_chi2_pvalue
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.attention import build_attention_metadata
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle_head import EagleHead
@@ -32,7 +32,7 @@ LAYOUTS = {"bin": ("pytorch_model.bin", True, False),
            "safetensors": ("model.safetensors", False, True)}
 
 
-def write_authors_head(folder: str, arch: LlamaArch, layout: str = "bin", seed: int = 0) -> str:
+def write_authors_head(folder: str, arch: DecoderArch, layout: str = "bin", seed: int = 0) -> str:
     """A random EAGLE-1 head as SafeAILab/EAGLE saves one (the .bin in float16, as published)."""
     weight_file, bias, bias_in_config = LAYOUTS[layout]
     torch.manual_seed(seed)
@@ -91,8 +91,8 @@ def target(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def arch(target) -> LlamaArch:
-    return LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+def arch(target) -> DecoderArch:
+    return DecoderArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -107,7 +107,7 @@ def spec_llm(target: str, folder: str, k: int = 3) -> LLM:
 
 # ---- the published math, read independently -------------------------------------------------
 def reference_head(folder: str, embeds: torch.Tensor, features: torch.Tensor,
-                   arch: LlamaArch) -> torch.Tensor:
+                   arch: DecoderArch) -> torch.Tensor:
     """The authors' one-layer head written out from the saved tensors, causal over T positions:
     fc on [embedding; feature] (+ bias), attention straight on that (no input norm), then the
     usual post-attention norm and SwiGLU MLP with residuals. Returns h [T, hidden]."""
@@ -126,7 +126,7 @@ def reference_head(folder: str, embeds: torch.Tensor, features: torch.Tensor,
 
 
 def run_head(head: EagleHead, embeds: torch.Tensor, features: torch.Tensor,
-             arch: LlamaArch) -> torch.Tensor:
+             arch: DecoderArch) -> torch.Tensor:
     """The loaded head over T positions of one sequence, through its paged KV cache."""
     T = len(embeds)
     kv = [torch.zeros(2, arch.num_kv_heads, 1, 8, arch.hidden_size // arch.num_heads,
@@ -176,7 +176,7 @@ def test_sampled_distribution_is_unchanged(tmp_path):
     and without speculation (two-sample chi-square over 2000 seeded completions each)."""
     path = build_tiny_checkpoint(tmp_path / "t", "llama", seed=13, vocab_size=12,
                                  initializer_range=0.05)
-    arch = LlamaArch.from_hf_config(load_checkpoint(path, torch.float32).hf_config)
+    arch = DecoderArch.from_hf_config(load_checkpoint(path, torch.float32).hf_config)
     folder = write_authors_head(str(tmp_path / "h"), arch, "bin", seed=5)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     plain, _ = third_token_law(path, None, prompt, 2000)

@@ -19,7 +19,7 @@ import torch
 from tiers import tiered
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.loader import embedded_gguf_path, load_checkpoint, prepare_embedded_cache
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_feature_layers
 from engine.proposers.eagle_head import EagleConfig, EagleHead
@@ -106,7 +106,7 @@ def feature_stream(reference, prompts, expected) -> FeatureStream:
 
 @pytest.fixture(scope="module")
 def eagle_head(tmp_path_factory, reference, feature_stream) -> str:
-    arch = LlamaArch.from_hf_config(reference.config)
+    arch = DecoderArch.from_hf_config(reference.config)
     stream = replace(feature_stream, aux=None)  # EAGLE-1 reads the final features only
     draft_ids, _ = choose_draft_vocab(stream.labels, 256, arch.eos_token_ids, arch.vocab_size)
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def mlp_speculator(tmp_path_factory, reference, prompts, expected) -> str:
     """Trained against the LM-head rows of the answers' tokens plus 512 random others (the full
     49k-row head would cost ~50x more per step); served with the full head, the trained states
     still pick the right token often enough."""
-    arch = LlamaArch.from_hf_config(reference.config)
+    arch = DecoderArch.from_hf_config(reference.config)
     data = build_training_set(reference, [(p + e, len(p)) for p, e in zip(prompts, expected)],
                               num_stages=NUM_STAGES)
     generator = torch.Generator().manual_seed(0)
@@ -149,7 +149,7 @@ def mlp_speculator(tmp_path_factory, reference, prompts, expected) -> str:
 @pytest.fixture(scope="module")
 def eagle3_head(tmp_path_factory, reference, feature_stream) -> str:
     """An EAGLE-3 head reading EAGLE-3's default layers (2, 15, 27), trained as eagle_head is."""
-    arch = LlamaArch.from_hf_config(reference.config)
+    arch = DecoderArch.from_hf_config(reference.config)
     layers = default_feature_layers(arch.num_layers)
     stream = feature_stream
     draft_ids, _ = choose_draft_vocab(stream.labels, 256, arch.eos_token_ids, arch.vocab_size)

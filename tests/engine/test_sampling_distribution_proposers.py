@@ -45,13 +45,13 @@ def deep_target(tmp_path_factory) -> str:
 
 def drafter_folder(method: str, target: str, folder: str) -> str | None:
     """A random head of `method` for the bigram target (q far from p: both outcomes are common)."""
-    from engine.models.arch import LlamaArch
+    from engine.models.arch import DecoderArch
     from engine.models.loader import load_checkpoint
     from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
     from engine.proposers.eagle_head import EagleConfig, EagleHead
     from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 
-    arch = LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+    arch = DecoderArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
     torch.manual_seed(5)
     if method == "eagle":
         head = EagleHead(EagleConfig.for_target(arch, VOCAB), arch)

@@ -11,7 +11,7 @@ import torch
 from tiny_models import build_tiny_checkpoint
 
 from engine import LLM, SamplingParams
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 
@@ -40,7 +40,7 @@ def target(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def eagle_head(target, tmp_path_factory) -> str:
     """A random EAGLE head, as tests/engine/test_eagle.py builds one: its trees are one-hot."""
-    arch = LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+    arch = DecoderArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
     torch.manual_seed(0)
     head = EagleHead(EagleConfig.for_target(arch, 64), arch)
     head.draft_token_ids.copy_(torch.randperm(arch.vocab_size)[:64].sort().values)

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.runner.sharding import ShardPlan, even_split, intermediate_unit, shard_weights
 from kernels.packed_weight import PackedWeight
 
 
-def arch(num_heads: int, num_kv_heads: int, **overrides) -> LlamaArch:
-    return LlamaArch(**{
+def arch(num_heads: int, num_kv_heads: int, **overrides) -> DecoderArch:
+    return DecoderArch(**{
         "vocab_size": 101, "hidden_size": num_heads * 8, "intermediate_size": 96, "num_layers": 1,
         "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": 8, "rms_norm_eps": 1e-6,
         "rope_inv_freq": (1.0,) * 4, "rope_attention_scaling": 1.0, "max_position_embeddings": 64,
@@ -61,7 +61,7 @@ def test_mlp_splits_on_the_down_projections_blocks():
         arch(4, 2, intermediate_size=100), 2, 32).shards] == [50, 50]
 
 
-def random_weights(a: LlamaArch) -> dict[str, torch.Tensor]:
+def random_weights(a: DecoderArch) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     q, kv, hidden, inner = a.q_size, a.kv_size, a.hidden_size, a.intermediate_size
     shapes = {"model.embed_tokens.weight": (a.vocab_size, hidden), "lm_head.weight": (a.vocab_size,

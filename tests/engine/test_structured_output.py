@@ -17,7 +17,7 @@ from tiny_chat_model import build_tiny_chat_checkpoint
 
 from engine import LLM, SamplingParams
 from engine.drafting import cut_drafts_at_grammar
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from engine.proposers.eagle_head import EagleConfig, EagleHead
@@ -63,7 +63,7 @@ def target(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def speculative_configs(target, tmp_path_factory) -> dict[str, dict]:
-    arch = LlamaArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
+    arch = DecoderArch.from_hf_config(load_checkpoint(target, torch.float32).hf_config)
     torch.manual_seed(0)
     eagle = str(tmp_path_factory.mktemp("eagle"))
     head = EagleHead(EagleConfig.for_target(arch, arch.vocab_size), arch)

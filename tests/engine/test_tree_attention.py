@@ -11,7 +11,7 @@ import torch
 
 import engine.models.attention as attention
 from engine.kv.block_manager import BlockManager
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.build import allocate_kv_cache, build_model
 from engine.models.loader import load_checkpoint
 from engine.runner.paged_runner import PagedRunner
@@ -58,7 +58,7 @@ LEAVES = [row for row in range(len(PARENTS)) if row not in PARENTS]
 def model(tiny_llama):
     checkpoint = load_checkpoint(tiny_llama, torch.float32)
     built, _ = build_model(checkpoint, torch.float32, CPU)
-    return built, LlamaArch.from_hf_config(checkpoint.hf_config)
+    return built, DecoderArch.from_hf_config(checkpoint.hf_config)
 
 
 @pytest.fixture(params=BACKENDS)

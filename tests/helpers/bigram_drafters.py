@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 import transformers
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from engine.proposers.eagle_head import EagleConfig, EagleHead
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
@@ -22,9 +22,9 @@ from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 SELF_ATTENTION_SCALE = 3.0
 
 
-def _target(checkpoint: str) -> tuple[LlamaArch, transformers.PreTrainedModel]:
+def _target(checkpoint: str) -> tuple[DecoderArch, transformers.PreTrainedModel]:
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    return LlamaArch.from_hf_config(model.config), model
+    return DecoderArch.from_hf_config(model.config), model
 
 
 def write_bigram_eagle_head(checkpoint: str, folder: str) -> str:

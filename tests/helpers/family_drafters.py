@@ -19,7 +19,7 @@ import transformers
 from bigram_drafters import SELF_ATTENTION_SCALE
 from safetensors.torch import load_file, save_file
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from engine.proposers.mtp_head import DEEPSEEK, MtpLayer, mtp_layer_arch, mtp_layer_tensors
 
@@ -52,12 +52,12 @@ def build_mostly_bigram_target(path, kind: str, seed: int = 41) -> str:
     return folder
 
 
-def _target(checkpoint: str) -> tuple[LlamaArch, transformers.PreTrainedModel]:
+def _target(checkpoint: str) -> tuple[DecoderArch, transformers.PreTrainedModel]:
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    return LlamaArch.from_hf_config(model.config), model
+    return DecoderArch.from_hf_config(model.config), model
 
 
-def final_norm_gain(arch: LlamaArch, model: transformers.PreTrainedModel) -> torch.Tensor:
+def final_norm_gain(arch: DecoderArch, model: transformers.PreTrainedModel) -> torch.Tensor:
     """What the target's final norm multiplies each normalised feature by: [hidden] (Gemma
     stores gain - 1)."""
     weight = model.model.norm.weight.detach().float()

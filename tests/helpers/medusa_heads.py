@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 
 
 def random_tensors(hidden: int, vocab: int, num_heads: int = 3, num_layers: int = 1,
@@ -118,7 +118,7 @@ def bigram_tensors(checkpoint: str, num_heads: int = 3) -> dict[str, torch.Tenso
     (Medusa's own initialisation: the identity) and its projection P_i solves P_i s(x) = 8 ·
     onehot(g^(i + 2)(x)) for every x, exactly, since the s(x) are independent."""
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float64)
-    arch = LlamaArch.from_hf_config(model.config)
+    arch = DecoderArch.from_hf_config(model.config)
     with torch.no_grad():
         states = model.model.norm(model.model.embed_tokens.weight)  # [vocab, hidden] s(x)
         favourite = model.lm_head(states).argmax(-1)  # [vocab] g(x)
@@ -137,7 +137,7 @@ def bigram_tensors(checkpoint: str, num_heads: int = 3) -> dict[str, torch.Tenso
 def write_bigram_medusa(checkpoint: str, folder: str, layout: str = "authors",
                         num_heads: int = 3) -> str:
     """bigram_tensors in FasterDecoding's layout ("authors") or vLLM's ("vllm")."""
-    arch = LlamaArch.from_hf_config(transformers.AutoConfig.from_pretrained(checkpoint))
+    arch = DecoderArch.from_hf_config(transformers.AutoConfig.from_pretrained(checkpoint))
     tensors = bigram_tensors(checkpoint, num_heads)
     if layout == "authors":
         return write_authors_folder(folder, tensors, num_heads, 1)

@@ -32,7 +32,7 @@ MIXED_FORMATS = {
 def write_tiny_gguf(path, architecture: str = "llama", formats: dict[str, str] | None = None,
                     tie_word_embeddings: bool = False, seed: int = 0,
                     num_layers: int = NUM_LAYERS, head_dim: int | None = None,
-                    ) -> dict[str, np.ndarray]:
+                    rope_scaling_factor: float | None = None) -> dict[str, np.ndarray]:
     """Write a random model to `path`; returns each tensor as the model holds it, before
     quantization, in Hugging Face row order (GGUF name -> float32 [out, in]), to check the reading
     against (a Gemma norm w is stored as w + 1). `head_dim`: HEAD_DIMS' or HEAD_DIM if None."""
@@ -55,6 +55,9 @@ def write_tiny_gguf(path, architecture: str = "llama", formats: dict[str, str] |
         writer.add_value_length(head_dim)
     if architecture == "gemma3":
         writer.add_sliding_window(16)
+    if rope_scaling_factor is not None:  # as llama.cpp's converter writes Gemma 3 4B's
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling_factor)
 
     written = {}
     for name, shape in _tensor_shapes(architecture, tie_word_embeddings, head_dim, num_layers):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.kv.block_manager import BlockManager
-from engine.models.arch import LlamaArch
+from engine.models.arch import DecoderArch
 from engine.models.build import allocate_kv_cache
 from engine.models.loader import load_checkpoint
 from engine.proposers.eagle import optimize_head
@@ -34,14 +34,14 @@ NUM_BLOCKS, BLOCK_SIZE = 64, 8
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
-def target_arch(request, tmp_path_factory) -> LlamaArch:
+def target_arch(request, tmp_path_factory) -> DecoderArch:
     folder = tmp_path_factory.mktemp("heads")
     if request.param == "gemma3":
         path = build_tiny_checkpoint(folder / "gemma3", "gemma3")
     else:
         path = str(folder / "llama.gguf")
         write_tiny_gguf(path, "llama", ALL_PACKED)
-    return LlamaArch.from_hf_config(load_checkpoint(path, torch.float32).hf_config)
+    return DecoderArch.from_hf_config(load_checkpoint(path, torch.float32).hf_config)
 
 
 def randomized(head: torch.nn.Module, seed: int) -> torch.nn.Module:
@@ -54,14 +54,14 @@ def randomized(head: torch.nn.Module, seed: int) -> torch.nn.Module:
     return head.eval()
 
 
-def eagle_head(arch: LlamaArch, input_norm: bool):
+def eagle_head(arch: DecoderArch, input_norm: bool):
     config = replace(EagleConfig.for_target(arch, arch.vocab_size), input_norm=input_norm)
     head = randomized(EagleHead(config, arch), seed=int(input_norm))
     optimize_head(head, [head.layer], SimpleNamespace(dtype=torch.float32, device=CPU))
     return head, config.layer_arch(arch)
 
 
-def eagle3_head(arch: LlamaArch, norm_before_residual: bool):
+def eagle3_head(arch: DecoderArch, norm_before_residual: bool):
     config = replace(Eagle3Config.for_target(arch, arch.vocab_size, (0, 1, 1)),
                      norm_before_residual=norm_before_residual)
     layer_arch = config.layer_arch(arch)
