@@ -13,13 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import pytest
-from bigram_drafters import write_bigram_eagle_head, write_bigram_mlp_speculator
-from family_drafters import (
-    add_bigram_mtp_layers,
-    build_mostly_bigram_target,
+from bigram_drafters import (
     write_bigram_eagle3_head,
-    write_layer_subset,
+    write_bigram_eagle_head,
+    write_bigram_mlp_speculator,
 )
+from family_drafters import add_bigram_mtp_layers, build_mostly_bigram_target, write_layer_subset
 from medusa_heads import write_bigram_medusa
 from pinned_cost import PinnedCost
 from spec_outputs import token_ids
@@ -71,7 +70,7 @@ def family(request, tmp_path_factory) -> Family:
         # its first and last layers (Gemma 3: one sliding, one full), the same weights
         "draft_model": write_layer_subset(target, str(root / "draft"), keep=(0, 2)),
         "eagle": write_bigram_eagle_head(target, str(root / "eagle")),
-        "eagle3": write_bigram_eagle3_head(target, str(root / "eagle3")),
+        "eagle3": write_bigram_eagle3_head(target, str(root / "eagle3"), (0, 1, 2)),
         "mlp_speculator": write_bigram_mlp_speculator(target, str(root / "mlp")),
         "medusa": write_bigram_medusa(target, str(root / "medusa")),
         "mtp": add_bigram_mtp_layers(target, str(root / "mtp")),

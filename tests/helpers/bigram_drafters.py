@@ -44,16 +44,25 @@ def write_bigram_eagle_head(checkpoint: str, folder: str) -> str:
     return folder
 
 
+def final_norm_gain(arch: DecoderArch, model: transformers.PreTrainedModel) -> torch.Tensor:
+    """What the target's final norm multiplies each normalised feature by: [hidden] (Gemma
+    stores gain - 1)."""
+    weight = model.model.norm.weight.detach().float()
+    return 1.0 + weight if arch.gemma_norms else weight
+
+
 def write_bigram_eagle3_head(checkpoint: str, folder: str,
                              feature_layers: tuple[int, ...] = (0, 2, 3)) -> str:
     """EAGLE-3 (speculators layout): fc and hidden_norm are zero, so the feature side and the
-    residual vanish; attention (one KV head per query head) attends to its own position and passes
-    the token's normalised embedding through o_proj = I; the MLP adds nothing. The state is
-    norm(embed(x)), scored with the target's final norm and LM head."""
+    residual vanish; attention (one KV head per query head, heads sized so q, k and v span the
+    hidden size, whatever the target's head_dim) attends to its own position and passes the
+    token's normalised embedding through o_proj = I; the MLP adds nothing. The state is
+    norm(embed(x)), scored with the target's final norm gain and LM head."""
     arch, target = _target(checkpoint)
     hidden = arch.hidden_size
     config = Eagle3Config.for_target(arch, arch.vocab_size, feature_layers)
-    config = replace(config, layer={**config.layer, "num_key_value_heads": arch.num_heads})
+    config = replace(config, layer={**config.layer, "num_key_value_heads": arch.num_heads,
+                                    "head_dim": hidden // arch.num_heads})
     head = Eagle3Head(config, config.layer_arch(arch), has_embeddings=False)
     head.draft_token_ids.copy_(torch.arange(arch.vocab_size))
     eye = torch.eye(hidden)
@@ -67,7 +76,7 @@ def write_bigram_eagle3_head(checkpoint: str, folder: str,
         qkv[2 * hidden:, :hidden] = eye
         head.self_attn.o_proj.weight.copy_(eye)
         head.mlp.down_proj.weight.zero_()
-        head.norm.weight.copy_(target.model.norm.weight)
+        head.norm.weight.copy_(final_norm_gain(arch, target))
         head.lm_head.weight.copy_(target.lm_head.weight)
     head.save(folder, "bigram drafter")
     return folder

@@ -12,24 +12,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import replace
 
 import torch
 import transformers
-from bigram_drafters import SELF_ATTENTION_SCALE
+from bigram_drafters import final_norm_gain
 from safetensors.torch import load_file, save_file
 
 from engine.models.arch import DecoderArch
-from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head
 from engine.proposers.mtp_head import DEEPSEEK, MtpLayer, mtp_layer_arch, mtp_layer_tensors
 
 WEIGHTS = "model.safetensors"
-# Gemma 3's norms of the attention's and the MLP's outputs, before each residual add
-_GEMMA3_OUTPUT_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
 # per family, how much each layer adds: the target's greedy token is then its last token's bigram
 # favourite ~85-90% of the time on test prompts (Medusa's heads, guessing 2-4 tokens ahead, need
-# that much; the context still decides the rest). Gemma 3's output norms give a block's output
-# unit scale whatever o_proj and down_proj are, so there the norms' gains are scaled instead.
+# that much; the context still decides the rest). Gemma 3's scale goes to its output norms' gains
+# (build_tiny_checkpoint), which give a block's output unit scale whatever o_proj and down_proj are.
 MOSTLY_BIGRAM_SCALE = {"qwen3": 0.003, "gemma3": 0.1}
 
 
@@ -39,58 +35,13 @@ def build_mostly_bigram_target(path, kind: str, seed: int = 41) -> str:
     layers (EAGLE-3 reads all three; Gemma 3's are sliding, sliding, full), head_dim 24."""
     from tiny_models import build_tiny_checkpoint
 
-    scale = MOSTLY_BIGRAM_SCALE[kind]
-    folder = build_tiny_checkpoint(path, kind, seed=seed, num_hidden_layers=3, hidden_size=128,
-                                   intermediate_size=256, layer_scale=scale)
-    if kind == "gemma3":
-        # NOTE: Gemma stores a norm's gain as gain - 1
-        tensors = load_file(os.path.join(folder, WEIGHTS))
-        for name in tensors:
-            if name.endswith(_GEMMA3_OUTPUT_NORMS):
-                tensors[name] = scale * (1.0 + tensors[name]) - 1.0
-        save_file(tensors, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
-    return folder
+    return build_tiny_checkpoint(path, kind, seed=seed, num_hidden_layers=3, hidden_size=128,
+                                 intermediate_size=256, layer_scale=MOSTLY_BIGRAM_SCALE[kind])
 
 
 def _target(checkpoint: str) -> tuple[DecoderArch, transformers.PreTrainedModel]:
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     return DecoderArch.from_hf_config(model.config), model
-
-
-def final_norm_gain(arch: DecoderArch, model: transformers.PreTrainedModel) -> torch.Tensor:
-    """What the target's final norm multiplies each normalised feature by: [hidden] (Gemma
-    stores gain - 1)."""
-    weight = model.model.norm.weight.detach().float()
-    return 1.0 + weight if arch.gemma_norms else weight
-
-
-def write_bigram_eagle3_head(checkpoint: str, folder: str,
-                             feature_layers: tuple[int, ...] = (0, 1, 2)) -> str:
-    """EAGLE-3 as bigram_drafters' (attention returns the token's normalised embedding, the rest
-    adds nothing), its layer's heads sized so q, k and v span the hidden size, scored with the
-    target's final norm gain and LM head."""
-    arch, target = _target(checkpoint)
-    hidden = arch.hidden_size
-    config = Eagle3Config.for_target(arch, arch.vocab_size, feature_layers)
-    config = replace(config, layer={**config.layer, "num_key_value_heads": arch.num_heads,
-                                    "head_dim": hidden // arch.num_heads})
-    head = Eagle3Head(config, config.layer_arch(arch), has_embeddings=False)
-    head.draft_token_ids.copy_(torch.arange(arch.vocab_size))
-    eye = torch.eye(hidden)
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.hidden_norm.weight.zero_()
-        qkv = head.self_attn.qkv_proj.weight  # [3 * hidden, 2 * hidden]: q, k, v rows
-        qkv.zero_()
-        qkv[:hidden, :hidden] = SELF_ATTENTION_SCALE * eye
-        qkv[hidden:2 * hidden, :hidden] = SELF_ATTENTION_SCALE * eye
-        qkv[2 * hidden:, :hidden] = eye
-        head.self_attn.o_proj.weight.copy_(eye)
-        head.mlp.down_proj.weight.zero_()
-        head.norm.weight.copy_(final_norm_gain(arch, target))
-        head.lm_head.weight.copy_(target.lm_head.weight)
-    head.save(folder, "bigram drafter")
-    return folder
 
 
 def add_bigram_mtp_layers(target: str, folder: str, num_layers: int = 2) -> str:

@@ -23,7 +23,11 @@ GEMMA3_SHAPES = {"head_dim": 24, "num_hidden_layers": 3, "sliding_window": 6,
                                      "sliding_attention": {"rope_type": "default",
                                                            "rope_theta": 1e4}}}
 _FAMILY_SHAPES = {"qwen3": QWEN3_SHAPES, "gemma3": GEMMA3_SHAPES}
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "gemma3")
+# kind -> transformers' config and model classes
+_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+            "mistral": ("MistralConfig", "MistralForCausalLM"),
+            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+            "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 FAMILIES_WITH_QK_NORM = ("qwen3", "gemma3")
 
 
@@ -43,28 +47,15 @@ def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, layer_scale:
     so greedy ties never flip on rounding, while tokens still depend on their context.
 
     layer_scale < 1 shrinks what each layer adds to the residual stream (attention's o_proj and the
-    MLP's down_proj): at 0.01-0.02 the next token is mostly the token before it's favourite (a
+    MLP's down_proj; on Gemma 3 also its output norms' gains, which would undo that): at 0.01-0.02 the next token is mostly the token before it's favourite (a
     "mostly bigram" model, which a drafter built in tests/helpers/bigram_drafters.py guesses right
     60-85% of the time), while the context still decides the rest."""
     torch.manual_seed(seed)
     shapes = {**TINY_SHAPES, **_FAMILY_SHAPES.get(kind, {}), **overrides}
-    if kind == "llama":
-        config = transformers.LlamaConfig(**shapes)
-        model = transformers.LlamaForCausalLM(config)
-    elif kind == "qwen2":
-        config = transformers.Qwen2Config(**shapes)
-        model = transformers.Qwen2ForCausalLM(config)
-    elif kind == "mistral":
-        config = transformers.MistralConfig(**shapes)
-        model = transformers.MistralForCausalLM(config)
-    elif kind == "qwen3":
-        config = transformers.Qwen3Config(**shapes)
-        model = transformers.Qwen3ForCausalLM(config)
-    elif kind == "gemma3":
-        config = transformers.Gemma3TextConfig(**shapes)
-        model = transformers.Gemma3ForCausalLM(config)
-    else:
+    if kind not in _CLASSES:
         raise ValueError(kind)
+    config_class, model_class = (getattr(transformers, name) for name in _CLASSES[kind])
+    model = model_class(config_class(**shapes))
     if kind in FAMILIES_WITH_QK_NORM:
         _randomize_norms(model)
     if layer_scale != 1.0:
@@ -72,6 +63,9 @@ def build_tiny_checkpoint(path, kind: str = "llama", seed: int = 0, layer_scale:
             for layer in model.model.layers:
                 layer.self_attn.o_proj.weight.mul_(layer_scale)
                 layer.mlp.down_proj.weight.mul_(layer_scale)
+                if kind == "gemma3":  # its output norms give a block's output unit scale again:
+                    for norm in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
+                        norm.weight.copy_(layer_scale * (1.0 + norm.weight) - 1.0)  # gain - 1
     model.save_pretrained(path)
     return str(path)
 
