@@ -262,14 +262,28 @@ inline void to_lanes(Part* v) {
 #endif
 }
 
-struct Q4_0 {  // header: d[16] f16;  w = d * (q - 8)
-  static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 32, kQuant = 8;
-  static constexpr bool kLaneOrder = kNibbleOrder;
+// The 16 rows' f16 scales d (and minimums m), at a block's start, in the nibble order the
+// Q4 / Q5 formats' values come in.
+struct ScaleHeader {
   Part d[kParts];
   void begin_sub(const uint8_t* rec, int64_t) {
     halves16(rec, d);
-    to_lanes<kLaneOrder>(d);
+    to_lanes<kNibbleOrder>(d);
   }
+};
+struct ScaleMinHeader {
+  Part d[kParts], m[kParts];
+  void begin_sub(const uint8_t* rec, int64_t) {
+    halves16(rec, d);
+    halves16(rec + 32, m);
+    to_lanes<kNibbleOrder>(d);
+    to_lanes<kNibbleOrder>(m);
+  }
+};
+
+struct Q4_0 : ScaleHeader {  // header: d[16] f16;  w = d * (q - 8)
+  static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 32, kQuant = 8;
+  static constexpr bool kLaneOrder = kNibbleOrder;
   void weights(const uint8_t* q, Part* w) const {
 #ifdef SPECSERVE_WIDE
     w[0] = mul(d[0], nibble_values<8>(q));
@@ -285,16 +299,9 @@ struct Q4_0 {  // header: d[16] f16;  w = d * (q - 8)
 // and that times q, need at most 22 bits and round to themselves in float32, so an FMA that adds the
 // offset rounds once, where gguf-py rounds the product (a no-op) and then the sum: the same float.
 
-struct Q4_1 {  // header: d[16], m[16] f16;  w = d * q + m (one FMA: d * q is exact)
+struct Q4_1 : ScaleMinHeader {  // header: d[16], m[16] f16;  w = d * q + m (one FMA: d * q is exact)
   static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 64, kQuant = 8;
   static constexpr bool kLaneOrder = kNibbleOrder;
-  Part d[kParts], m[kParts];
-  void begin_sub(const uint8_t* rec, int64_t) {
-    halves16(rec, d);
-    halves16(rec + 32, m);
-    to_lanes<kLaneOrder>(d);
-    to_lanes<kLaneOrder>(m);
-  }
   void weights(const uint8_t* q, Part* w) const {
 #ifdef SPECSERVE_WIDE
     w[0] = fmadd(d[0], nibble_values<0>(q), m[0]);
@@ -321,14 +328,9 @@ inline void fifth_bits16(const uint8_t* q, __m256i* out) {
 }
 #endif
 
-struct Q5_0 {  // header: d[16] f16;  w = d * (q - 16)
+struct Q5_0 : ScaleHeader {  // header: d[16] f16;  w = d * (q - 16)
   static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 32, kQuant = 10;
   static constexpr bool kLaneOrder = kNibbleOrder;
-  Part d[kParts];
-  void begin_sub(const uint8_t* rec, int64_t) {
-    halves16(rec, d);
-    to_lanes<kLaneOrder>(d);
-  }
   void weights(const uint8_t* q, Part* w) const {
 #ifdef SPECSERVE_WIDE
     w[0] = mul(d[0], five_bit_values<16>(q));
@@ -345,16 +347,9 @@ struct Q5_0 {  // header: d[16] f16;  w = d * (q - 16)
   }
 };
 
-struct Q5_1 {  // header: d[16], m[16] f16;  w = d * q + m (one FMA: d * q is exact)
+struct Q5_1 : ScaleMinHeader {  // header: d[16], m[16] f16;  w = d * q + m (one FMA: d * q is exact)
   static constexpr int64_t kBlock = 32, kSub = 32, kHeader = 64, kQuant = 10;
   static constexpr bool kLaneOrder = kNibbleOrder;
-  Part d[kParts], m[kParts];
-  void begin_sub(const uint8_t* rec, int64_t) {
-    halves16(rec, d);
-    halves16(rec + 32, m);
-    to_lanes<kLaneOrder>(d);
-    to_lanes<kLaneOrder>(m);
-  }
   void weights(const uint8_t* q, Part* w) const {
 #ifdef SPECSERVE_WIDE
     w[0] = fmadd(d[0], five_bit_values<0>(q), m[0]);
