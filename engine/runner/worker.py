@@ -239,7 +239,16 @@ class Worker:
         bytes_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * self.dtype.itemsize
         num_blocks = cache_config.num_blocks or int(
             cache_config.kv_cache_memory_gib * 2**30 // (bytes_per_token * cache_config.block_size))
-        if num_blocks * cache_config.block_size < max_model_len:
+        capacity = num_blocks * cache_config.block_size
+        if capacity < max_model_len and model_config.max_model_len is None:
+            # NOTE: a long-context model on the default cache (Gemma 3 270M: 32k tokens of 36 KiB
+            # each) serves the context the cache holds, as llama.cpp's and TGI's defaults do,
+            # rather than refusing to start; an explicit max_model_len is held to
+            logger.warning("max_model_len %d: what the KV cache (%d blocks) holds, below the model's "
+                           "trained length %d; raise --kv-cache-memory-gib for more",
+                           capacity, num_blocks, max_model_len)
+            max_model_len = capacity
+        if capacity < max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * cache_config.block_size} tokens, fewer than "
                 f"max_model_len {max_model_len}: raise the KV cache memory or lower max_model_len")

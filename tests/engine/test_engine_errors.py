@@ -40,6 +40,19 @@ def test_a_max_model_len_above_the_trained_length_is_served_when_asked_for(tiny_
     assert len(output.outputs[0].token_ids) == 8
 
 
+def test_a_cache_smaller_than_the_trained_length_serves_what_it_holds(tiny_llama, caplog):
+    """No max_model_len asked for: the context is what the cache holds (8 blocks of 16 of the
+    model's 512), said in the log; asked for, a longer one is refused naming both ways out."""
+    llm = LLM(tiny_llama, dtype="float64", num_kv_blocks=8, block_size=16)
+    assert llm.engine.scheduler.max_model_len == 128
+    assert "max_model_len 128: what the KV cache (8 blocks) holds" in caplog.text
+    [output] = llm.generate({"prompt_token_ids": [1, 2, 3] * 40},
+                            SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert len(output.outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="holds 128 tokens, fewer than max_model_len 256"):
+        LLM(tiny_llama, dtype="float64", num_kv_blocks=8, block_size=16, max_model_len=256)
+
+
 def test_triton_kernels_need_a_gpu_or_the_interpreter(tiny_llama, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="runs on CUDA devices"):
