@@ -156,8 +156,7 @@ class EagleProposer(Proposer):
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_num_tokens: list[int],
                 target_hidden: torch.Tensor | None) -> list[DraftProposal]:
-        caps = [cap if cap > 0 and self._reserve(request, cap) else 0
-                for request, cap in zip(requests, max_num_tokens)]
+        caps = self._caps_reserved(requests, max_num_tokens)
         if self.tree:
             return self._propose_trees(requests, caps)
         # the head's h at each drafting request's newest position, row by row of `last_rows`
@@ -183,6 +182,11 @@ class EagleProposer(Proposer):
         self.runner.free(request_id)
 
     # ------------------------------------------------------------------ internals
+    def _caps_reserved(self, requests: list[Request], max_num_tokens: list[int]) -> list[int]:
+        """Each request's cap where it can draft now (its blocks reserved), else 0."""
+        return [cap if cap > 0 and self._reserve(request, cap) else 0
+                for request, cap in zip(requests, max_num_tokens)]
+
     def _reserve(self, request: Request, cap: int) -> bool:
         """Whether the request can draft now: the features its catch-up reads are here, and the head's
         cache holds blocks for the catch-up and the rollout (allocated here when they are)."""

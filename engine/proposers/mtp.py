@@ -61,8 +61,7 @@ class MtpProposer(EagleProposer):
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_num_tokens: list[int],
                 target_hidden: torch.Tensor | None) -> list[DraftProposal]:
-        caps = [cap if cap > 0 and self._reserve(request, cap) else 0
-                for request, cap in zip(requests, max_num_tokens)]
+        caps = self._caps_reserved(requests, max_num_tokens)
         if self.tree:
             return self._propose_trees(requests, caps)
         # per batch row: each layer's output at the newest committed token (after the catch-up),
