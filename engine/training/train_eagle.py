@@ -44,6 +44,7 @@ from engine.models.attention import AttentionMetadata
 from engine.models.llama import Attention
 from engine.proposers.eagle3_head import Eagle3Config, Eagle3Head, default_feature_layers
 from engine.proposers.eagle_head import EagleConfig, EagleHead
+from engine.training.optimizer_step import take_step
 
 logger = logging.getLogger("specserve.train")
 
@@ -288,13 +289,8 @@ def fit_on_windows(module: nn.Module, stream: FeatureStream, epochs: int, batch_
         for batch in range(batches_per_epoch):
             loss, agreement = losses(starts[batch * batch_size:(batch + 1) * batch_size],
                                      previous, noise)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}", top1=agreement)
+            take_step(loss, optimizer, schedule, progress, clip=module.parameters(),
+                      top1=agreement)
     progress.close()
     module.eval()
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from engine.proposers.medusa_heads import MedusaConfig, MedusaHeads
+from engine.training.optimizer_step import take_step
 from engine.training.train_eagle import FeatureStream, extract_features, hold_out_prompts
 
 # loss weight of head i: HEAD_DECAY ** i (the Medusa authors' medusa_decay_coefficient)
@@ -82,12 +83,7 @@ def train_heads(heads: MedusaHeads, target_lm_head: torch.nn.Module | None, stre
             logits = heads.logits(stream.features[batch], num_heads, target_lm_head)
             losses = head_losses(logits, targets.labels[batch], targets.is_valid[batch])
             loss = (losses * weights).sum() / weights.sum()
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}")
+            take_step(loss, optimizer, schedule, progress)
     progress.close()
     heads.eval()
 

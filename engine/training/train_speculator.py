@@ -31,6 +31,7 @@ from engine.models.reference_model import load_transformers_model
 from engine.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from engine.sampling_params import SamplingParams
 from engine.training.arguments import add_arguments
+from engine.training.optimizer_step import take_step
 from engine.training.prompts import build_documents, build_prompts
 from engine.training.train_eagle import check_eagle_arguments, run_eagle
 from engine.training.train_medusa import check_medusa_arguments, run_medusa
@@ -165,12 +166,7 @@ def train(speculator: MLPSpeculator, embed, head, data: TrainingSet, epochs: int
             logits = stage_logits(speculator, embed, head, data.hidden[batch], data.inputs[batch])
             loss = sum(torch.nn.functional.cross_entropy(stage, data.labels[batch, i])
                        for i, stage in enumerate(logits)) / len(logits)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            progress.update(1)
-            progress.set_postfix(loss=f"{loss.item():.3f}")
+            take_step(loss, optimizer, schedule, progress)
     progress.close()
     speculator.eval()
 
